@@ -1,0 +1,18 @@
+"""mplaunch: launch a function in N worker processes for PyTorch distributed work,
+watch them, and tear everything down cleanly when anything goes wrong."""
+from ._launch import launch
+from .errors import (LaunchTimeout, MainProcessError, MPLaunchError, RankFailure,
+                     RemoteException, WorkerError)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "launch",
+    "WorkerError",
+    "MainProcessError",
+    "LaunchTimeout",
+    "RankFailure",
+    "RemoteException",
+    "MPLaunchError",
+    "__version__",
+]

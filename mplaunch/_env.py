@@ -1,0 +1,65 @@
+"""Each rank's environment, computed in the parent (whose os.environ is never touched)."""
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, Mapping, Optional, Union
+
+EnvArg = Union[None, Mapping[str, str], Callable[[int], Mapping[str, str]]]
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def user_env_for(env: EnvArg, rank: int) -> Dict[str, str]:
+    """The user's extra variables for one rank, checked: str -> str only."""
+    if env is None:
+        return {}
+    extra = env(rank) if callable(env) else env
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"env must be a dict of str to str, or a callable rank -> dict; "
+                        f"for rank {rank} it gave a {type(extra).__name__}")
+    for k, v in extra.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(
+                f"env for rank {rank}: {k!r}: {v!r} is not str -> str; environment "
+                f"variables are strings, so pass str({v!r}) if that is what you mean")
+        if "=" in k or not k or "\0" in k or "\0" in v:
+            raise ValueError(f"env for rank {rank}: {k!r} is not a valid variable name")
+    return dict(extra)
+
+
+def rank_env(*, base: Mapping[str, str], rank: int, local_rank: int, world_size: int,
+             local_world_size: int, node_rank: int, nnodes: int, master_addr: str,
+             master_port: int, restart_count: int, max_restarts: int,
+             extra: Mapping[str, str], store: Optional[str]) -> Dict[str, str]:
+    env = dict(base)
+    if "OMP_NUM_THREADS" not in env and local_world_size > 1:
+        # torchrun's reasoning: N ranks each using every core oversubscribe the machine.
+        env["OMP_NUM_THREADS"] = str(max(1, _cpus() // local_world_size))
+    env.update({
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(nnodes),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "NODE_RANK": str(node_rank),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        "PYTHONUNBUFFERED": "1",
+    })
+    if store:
+        env["MPLAUNCH_STORE"] = store
+    env.update(extra)
+    return env

@@ -1,0 +1,260 @@
+"""The server: a clean interpreter that starts ranks and outlives none of them.
+
+One server runs per launching process and preload set, in its own session (a Ctrl-C in
+the terminal reaches only the launching process, which forwards it). It is
+
+- a forkserver: it imports the preload modules (torch, say) once, single-threaded and
+  without CUDA, and forks every rank from that state, so a rank starts in milliseconds;
+- an exec server: for start_method="spawn" it forks and execs a fresh interpreter;
+- the subreaper of everything below it: a rank's orphaned descendants come back to it,
+  and it kills them;
+- the lifeline: it holds one channel from the launching process and one per launch.
+  When the launching process dies (even by SIGKILL) the first channel reaches EOF, and
+  the server kills every rank's process group and every descendant, then exits. When a
+  launch's channel closes, that launch's ranks go the same way.
+
+It never runs user code itself: only the forked children do.
+"""
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import socket
+import sys
+import traceback
+
+from . import _sys
+from ._channel import recv_obj, send_obj
+
+
+class _Launch:
+    def __init__(self, sock):
+        self.sock = sock
+        self.ranks: set = set()     # pids of ranks we forked for this launch
+        self.watched: set = set()   # pids of ranks the parent forked itself (fork mode)
+
+
+class Server:
+    def __init__(self, lifeline: socket.socket):
+        self.lifeline = lifeline
+        self.sel = selectors.DefaultSelector()
+        self.launches: dict = {}     # fileno -> _Launch
+        self.rank_owner: dict = {}   # pid -> _Launch (None once its launch closed)
+        self.pid = os.getpid()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    # -- main loop -----------------------------------------------------------------
+    def serve(self) -> None:
+        signal.set_wakeup_fd(self._wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.sel.register(self.lifeline, selectors.EVENT_READ, self._on_lifeline)
+        self.sel.register(self._wake_r, selectors.EVENT_READ, self._on_sigchld)
+        while True:
+            for key, _ in self.sel.select():
+                key.data(key.fileobj)
+
+    def _on_lifeline(self, sock) -> None:
+        msg, fds = recv_obj(sock)
+        if msg is None:
+            self._die()
+        if msg[0] == "channel":
+            ch = socket.socket(fileno=fds[0])
+            launch = _Launch(ch)
+            self.launches[ch.fileno()] = launch
+            self.sel.register(ch, selectors.EVENT_READ, self._on_channel)
+        elif msg[0] == "stop":
+            self._die()
+
+    def _on_channel(self, sock) -> None:
+        launch = self.launches[sock.fileno()]
+        try:
+            msg, fds = recv_obj(sock, maxfds=8)
+        except OSError:
+            msg, fds = None, []
+        if msg is None:
+            self._close_launch(launch)
+            return
+        kind = msg[0]
+        if kind == "start":
+            self._start(launch, msg[1], msg[2], fds)
+        elif kind == "signal":
+            _, signo, pids = msg
+            for pid in launch.ranks | launch.watched:
+                if pids is None or pid in pids:
+                    _sys.killpg_quiet(pid, signo)
+                    _sys.kill_quiet(pid, signo)
+        elif kind == "kill":
+            _, signo, pids = msg  # the rank alone, not its group (stack dump requests)
+            for pid in launch.ranks & set(pids):
+                _sys.kill_quiet(pid, signo)
+        elif kind == "watch":
+            launch.watched.add(msg[1])
+        elif kind == "unwatch":
+            launch.watched.discard(msg[1])
+        elif kind == "sweep":
+            n = self._kill_orphans()
+            self._reply(launch, ("swept", n))
+        elif kind == "ping":
+            self._reply(launch, ("pong", msg[1]))
+
+    def _reply(self, launch, msg) -> None:
+        try:
+            send_obj(launch.sock, msg)
+        except OSError:
+            pass
+
+    # -- starting ranks ------------------------------------------------------------
+    def _start(self, launch, token, spec, fds) -> None:
+        names = ("payload", "result", "stdout", "stderr", "stack")
+        fdmap = dict(zip(names, fds))
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            for fd in fds:
+                os.close(fd)
+            self._reply(launch, ("error", token, f"fork failed: {exc}"))
+            return
+        if pid == 0:
+            self._in_child(spec, fdmap)
+        try:
+            os.setpgid(pid, pid)
+        except OSError:
+            pass  # the child did it first, or already exec'd
+        for fd in fds:
+            os.close(fd)
+        launch.ranks.add(pid)
+        self.rank_owner[pid] = launch
+        self._reply(launch, ("started", token, pid))
+
+    def _in_child(self, spec, fdmap) -> None:
+        """In the freshly forked child: drop the server's state, then become the rank."""
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            keep = set(fdmap.values())
+            for fd in [self.lifeline.fileno(), self._wake_r, self._wake_w,
+                       *(l.sock.fileno() for l in self.launches.values())]:
+                if fd not in keep:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            if spec.get("exec"):
+                self._exec_rank(spec, fdmap)
+            from ._worker import run_rank
+            run_rank(spec, fdmap, self.pid)
+        except BaseException:  # noqa: BLE001
+            traceback.print_exc()
+        os._exit(1)
+
+    def _exec_rank(self, spec, fdmap) -> None:
+        import pickle
+        os.setpgid(0, 0)
+        _sys.set_pdeathsig(signal.SIGKILL)  # survives exec of a non-setuid binary
+        for fd in fdmap.values():
+            os.set_inheritable(fd, True)
+        blob = pickle.dumps((spec, fdmap, self.pid))
+        spec_fd = _sys.memfd_with(blob, "mplaunch-spec")
+        os.set_inheritable(spec_fd, True)
+        pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        code = (f"import sys; sys.path.insert(0, {pkg_parent!r}); "
+                "from mplaunch._worker import exec_main; exec_main()")
+        env = dict(spec["env"])
+        os.execve(sys.executable, [sys.executable, "-c", code, str(spec_fd)], env)
+
+    # -- children ------------------------------------------------------------------
+    def _on_sigchld(self, fd) -> None:
+        try:
+            while os.read(fd, 4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        while True:
+            try:
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return
+            if info is None:
+                return
+            pid = info.si_pid
+            if pid in self.rank_owner:
+                # The rank is a zombie, so its pid (and group id) cannot be reused yet:
+                # killing its group now is safe, and leaves none of its children behind.
+                _sys.killpg_quiet(pid, signal.SIGKILL)
+            try:
+                _, status = os.waitpid(pid, 0)
+            except ChildProcessError:
+                continue
+            launch = self.rank_owner.pop(pid, None)
+            if launch is not None:
+                launch.ranks.discard(pid)
+                if launch.sock.fileno() != -1:
+                    self._reply(launch, ("exited", pid, status))
+
+    def _kill_orphans(self) -> int:
+        """Kill every process below us that is neither a live rank nor in a live rank's
+        process group: those are what dead ranks left behind."""
+        live = set(self.rank_owner)
+        victims = []
+        for pid in _sys.children_of(self.pid):
+            if pid in live or _sys.pgid_of(pid) in live:
+                continue
+            victims.append(pid)
+            victims.extend(_sys.descendants_of(pid))
+        for pid in victims:
+            _sys.kill_quiet(pid, signal.SIGKILL)
+        return len(victims)
+
+    def _close_launch(self, launch) -> None:
+        for pid in launch.ranks | launch.watched:
+            _sys.killpg_quiet(pid, signal.SIGKILL)
+            _sys.kill_quiet(pid, signal.SIGKILL)
+        for pid in launch.ranks:
+            self.rank_owner[pid] = None  # reaped later, reported to no one
+        self.sel.unregister(launch.sock)
+        del self.launches[launch.sock.fileno()]
+        launch.sock.close()
+
+    def _die(self) -> None:
+        """The launching process is gone (or asked us to stop): leave nothing behind."""
+        for launch in list(self.launches.values()):
+            self._close_launch(launch)
+        for pid in _sys.descendants_of(self.pid):
+            _sys.kill_quiet(pid, signal.SIGKILL)
+        os._exit(0)
+
+
+def main() -> None:
+    lifeline_fd = int(sys.argv[1])
+    preload = [m for m in sys.argv[2].split(",") if m] if len(sys.argv) > 2 else []
+    if len(sys.argv) > 3:
+        # The launching process's import path, so preloads and by-reference functions
+        # resolve as they do there; our own package stays importable first.
+        import json
+        sys.path[:] = sys.path[:1] + json.loads(sys.argv[3])
+    os.set_inheritable(lifeline_fd, False)
+    lifeline = socket.socket(fileno=lifeline_fd)
+    _sys.set_child_subreaper()
+    for name in ("SIGINT", "SIGHUP", "SIGTERM", "SIGQUIT"):
+        # The launching process decides when ranks stop; the server only dies with it.
+        if name != "SIGTERM":
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    failed = {}
+    import importlib
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # noqa: BLE001 - reported, not fatal
+            failed[name] = f"{type(exc).__name__}: {exc}"
+    import threading
+    # The threads alive now are inherited (as dead copies) by every forked rank; the
+    # launching side refuses to fork from a server that has any.
+    send_obj(lifeline, ("hello", os.getpid(), failed, threading.active_count()))
+    Server(lifeline).serve()
+
+
+if __name__ == "__main__":
+    main()

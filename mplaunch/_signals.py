@@ -1,0 +1,67 @@
+"""Signal handlers in the launching process for the lifetime of one launch.
+
+Installed only in the main thread (Python delivers signals there alone), always restored,
+and kept minimal: the handler records the signal and wakes the monitor, which does the
+forwarding and teardown outside of signal context.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+
+log = logging.getLogger("mplaunch")
+
+FORWARDED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+                  if hasattr(signal, n))
+
+
+@contextlib.contextmanager
+def forwarding(on_signal):
+    """Within the block, the signals in FORWARDED call on_signal(signo) instead of their
+    usual handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("mplaunch.launch is running outside the main thread: signals to this "
+                    "process are not forwarded to the ranks (they are still torn down "
+                    "if this process dies)")
+        yield False
+        return
+    previous = {}
+    try:
+        for signo in FORWARDED:
+            previous[signo] = signal.signal(signo, lambda s, _f: on_signal(s))
+        yield True
+    finally:
+        for signo, handler in previous.items():
+            signal.signal(signo, signal.SIG_DFL if handler is None else handler)
+
+
+class Waker:
+    """A self-pipe the monitor selects on, so a signal or another thread can wake it."""
+
+    def __init__(self):
+        self.r, self.w = os.pipe()
+        os.set_blocking(self.r, False)
+        os.set_blocking(self.w, False)
+
+    def wake(self) -> None:
+        try:
+            os.write(self.w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        for fd in (self.r, self.w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -1,0 +1,129 @@
+"""Thin wrappers over the Linux process primitives mplaunch depends on."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import struct
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+_libc = None
+
+
+def _c():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return _libc
+
+
+def _prctl(option: int, arg: int) -> bool:
+    try:
+        return _c().prctl(option, ctypes.c_ulong(arg), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def set_pdeathsig(signo: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send `signo` when the thread that forked us exits."""
+    return _prctl(PR_SET_PDEATHSIG, int(signo))
+
+
+def set_child_subreaper() -> bool:
+    """Orphaned descendants are re-parented to us instead of to pid 1, so we can reap
+    and kill them."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def memfd_with(data: bytes, name: str = "mplaunch") -> int:
+    """An anonymous in-memory file holding `data`, positioned at 0, close-on-exec."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def read_all_fd(fd: int) -> bytes:
+    """The whole content of a regular file (memfd) from offset 0."""
+    size = os.fstat(fd).st_size
+    chunks = []
+    offset = 0
+    while offset < size:
+        chunk = os.pread(fd, size - offset, offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def describe_status(status: int):
+    """(exitcode, signal number or None) from a raw wait status, exitcode negative for a
+    signal as multiprocessing reports it."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return -sig, sig
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status), None
+    return None, None
+
+
+def killpg_quiet(pgid: int, signo: int) -> None:
+    try:
+        os.killpg(pgid, signo)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_quiet(pid: int, signo: int) -> None:
+    try:
+        os.kill(pid, signo)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def children_of(pid: int):
+    """Direct children of `pid` (Linux /proc; empty if unavailable)."""
+    kids = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return kids
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids.extend(int(x) for x in f.read().split())
+        except OSError:
+            pass
+    return kids
+
+
+def descendants_of(pid: int):
+    """Every descendant of `pid`, parents before their children."""
+    out = []
+    todo = children_of(pid)
+    seen = set()
+    while todo:
+        p = todo.pop(0)
+        if p in seen:
+            continue
+        seen.add(p)
+        out.append(p)
+        todo.extend(children_of(p))
+    return out
+
+
+def pgid_of(pid: int):
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+LEN = struct.Struct("!Q")

@@ -1,0 +1,287 @@
+"""The rank's side: take over the process, apply the environment, run the function, send
+one message, exit.
+
+Order matters: the process group, the parent-death signal and the file descriptors are
+set up before anything that can fail or run user code; the environment, cwd and
+sys.path are applied before the payload is unpickled, so import-time code in the user's
+modules sees the rank's environment.
+"""
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import io
+import os
+import signal
+import sys
+import time
+
+from . import _sys
+from ._channel import send_framed
+
+# Sent by the parent to ask a rank for its Python stack (a C-level handler: it answers
+# even while the rank is inside a blocking C call such as a gloo collective).
+STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
+
+# Exit codes the parent reads as a reason.
+EXIT_ERROR = 1
+EXIT_PARENT_GONE = 70
+
+_TERMINATION_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGCHLD", "SIGPIPE",
+                        "SIGUSR1", "SIGUSR2")
+
+
+def _take_over_process(fds: dict, expected_ppid: int) -> None:
+    try:
+        os.setpgid(0, 0)  # lead our own group: teardown signals reach our descendants too
+    except OSError:
+        pass
+    _sys.set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != expected_ppid:
+        # Our parent died before the death signal was armed: nobody would ever kill us.
+        os._exit(EXIT_PARENT_GONE)
+    try:
+        signal.set_wakeup_fd(-1)
+    except (ValueError, OSError):
+        pass
+    for name in _TERMINATION_SIGNALS:
+        signo = getattr(signal, name, None)
+        if signo is None:
+            continue
+        handler = signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL
+        try:
+            signal.signal(signo, handler)
+        except (OSError, ValueError):
+            pass
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.dup2(fds["stdout"], 1)
+    os.dup2(fds["stderr"], 2)
+    for key in ("stdout", "stderr"):
+        if fds[key] > 2:
+            os.close(fds[key])
+    # Fresh Python streams over the new fds; anything buffered in the inherited objects
+    # belongs to another process and is dropped, not flushed.
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True,
+                                  errors="backslashreplace")
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True,
+                                  errors="backslashreplace")
+    sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
+    faulthandler.enable(file=2, all_threads=True)
+    faulthandler.register(STACK_SIGNAL, file=fds["stack"], all_threads=True, chain=False)
+
+
+def _apply_spec(spec: dict) -> None:
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    try:
+        os.chdir(spec["cwd"])
+    except OSError:
+        pass
+    sys.path[:] = spec["sys_path"]
+    if spec.get("argv") is not None:
+        sys.argv[:] = spec["argv"]
+    atexit._clear()  # handlers inherited from the forking process are not ours to run
+    _install_rendezvous_hook()
+    torch = sys.modules.get("torch")
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if torch is not None and threads and threads.isdigit() and int(threads) > 0:
+        # torch was imported before the environment was applied (a warm forkserver), so
+        # it may have sized its pool from the server's environment.
+        try:
+            torch.set_num_threads(int(threads))
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_rank(spec: dict, fds: dict, expected_ppid: int):
+    """Run one rank in this (new) process. Never returns."""
+    code = EXIT_ERROR
+    try:
+        _take_over_process(fds, expected_ppid)
+        _apply_spec(spec)
+        code = _run_and_report(spec, fds)
+    except BaseException:  # noqa: BLE001 - last resort: the parent sees the exit code
+        try:
+            import traceback
+            traceback.print_exc()
+        except BaseException:  # noqa: BLE001
+            pass
+    finally:
+        _flush_streams()
+        os._exit(code)
+
+
+def _run_and_report(spec: dict, fds: dict) -> int:
+    import socket
+
+    from . import _serialize
+    sock = socket.socket(fileno=fds["result"])
+    payload = _sys.read_all_fd(fds["payload"])
+    os.close(fds["payload"])
+    exitcode = 0
+    try:
+        if spec.get("script") is not None:
+            value = _run_script(spec["script"], spec.get("script_kind", "path"))
+        else:
+            func, args, kwargs = _serialize.loads_payload(payload)
+            del payload
+            value = func(*args, **kwargs)
+    except SystemExit as exc:
+        exitcode = _exit_code(exc.code)
+        if exitcode == 0:
+            _send(sock, ("ok", None))
+            return 0
+        _send_exception(sock, exc, exitcode)
+        return exitcode
+    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt and pytest outcomes too
+        _send_exception(sock, exc, EXIT_ERROR)
+        return EXIT_ERROR
+    try:
+        data, tensor_fds = _serialize.dumps_result(value)
+    except BaseException as exc:  # noqa: BLE001
+        err = TypeError(f"rank {spec['rank']} returned a value that could not be pickled "
+                        f"({type(value).__name__}): {type(exc).__name__}: {exc}. Return "
+                        "something picklable, or save it to a file and return the path.")
+        err.__cause__ = exc
+        _send_exception(sock, err, EXIT_ERROR)
+        return EXIT_ERROR
+    _send_raw(sock, b"o" + data, tensor_fds)
+    for fd in tensor_fds:
+        os.close(fd)
+    return exitcode
+
+
+def _exit_code(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)  # sys.exit("message") prints it and exits 1
+    return 1
+
+
+def _send(sock, msg) -> None:
+    import pickle
+    _send_raw(sock, b"p" + pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), ())
+
+
+def _send_raw(sock, data: bytes, fds) -> None:
+    try:
+        send_framed(sock, data, fds)
+    except OSError:
+        pass  # the parent is gone; the death signal will end us
+
+
+def _send_exception(sock, exc: BaseException, exitcode: int) -> None:
+    from ._serialize import pack_exception
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # our own frames say nothing about the user's failure
+    exc.__traceback__ = tb
+    blob, type_name, message, tb_text = pack_exception(exc)
+    sys.stderr.write(tb_text)
+    _send(sock, ("err", blob, type_name, message, tb_text, exitcode, time.time()))
+
+
+def _flush_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+
+
+def _run_script(target: str, kind: str):
+    """Run a script (kind 'path') or module (kind 'module') as __main__, as `python
+    script.py` would."""
+    import runpy
+    if kind == "module":
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+        runpy.run_path(target, run_name="__main__")
+    return None
+
+
+# -- env:// rendezvous against the parent's store ---------------------------------------
+
+def _install_rendezvous_hook() -> None:
+    """Make init_process_group("env://") join the store the parent already hosts.
+
+    Left alone, torch's env:// handler makes rank 0 start a store server on
+    MASTER_PORT, which the parent holds. torch's own agent-store switch
+    (TORCHELASTIC_USE_AGENT_STORE) would fix that but also turns every tcp:// and
+    user-created store into a client, which hangs; so only env:// pointing at our store is
+    redirected, and only when the rank's environment still names it.
+    """
+    if "MPLAUNCH_STORE" not in os.environ:
+        return
+    mod = sys.modules.get("torch.distributed.rendezvous")
+    if mod is not None:
+        _patch_rendezvous(mod)
+    else:
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
+class _PatchOnImport:
+    target = "torch.distributed.rendezvous"
+
+    def find_spec(self, name, path, target=None):
+        if name != self.target:
+            return None
+        import importlib.util
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        original = loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            _patch_rendezvous(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _patch_rendezvous(mod) -> None:
+    handlers = getattr(mod, "_rendezvous_handlers", None)
+    if handlers is None or "env" not in handlers or getattr(handlers["env"], "_mplaunch", 0):
+        return
+    original = handlers["env"]
+
+    def env_handler(url, timeout=None, **kwargs):
+        host, _, port = os.environ.get("MPLAUNCH_STORE", "").rpartition(":")
+        if (not host or os.environ.get("MASTER_ADDR") != host
+                or os.environ.get("MASTER_PORT") != port or "?" in url):
+            kw = dict(kwargs)
+            if timeout is not None:
+                kw["timeout"] = timeout
+            yield from original(url, **kw)
+            return
+        from torch.distributed import TCPStore
+        rank = int(os.environ["RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+        kw = {} if timeout is None else {"timeout": timeout}
+        store = TCPStore(host, int(port), world_size, False, **kw)
+        yield (store, rank, world_size)
+        raise RuntimeError("Unable to perform re-rendezvous using env:// method")
+
+    env_handler._mplaunch = 1
+    handlers["env"] = env_handler
+
+
+# -- exec'd ranks (start_method="spawn") -----------------------------------------------
+
+def exec_main() -> None:
+    """Entry point of a rank started as a fresh interpreter."""
+    import pickle
+    spec_fd = int(sys.argv[1])
+    spec, fds, expected_ppid = pickle.loads(_sys.read_all_fd(spec_fd))
+    os.close(spec_fd)
+    sys.argv[:] = [sys.argv[0]]
+    run_rank(spec, fds, expected_ppid)

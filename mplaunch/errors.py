@@ -1,0 +1,264 @@
+"""The errors mplaunch raises.
+
+Every error carries its facts as attributes, reads well as ``str()``, and survives a
+pickle round trip (so it can cross a process boundary again, e.g. from a pytest-xdist
+worker or a rank of an outer launch).
+"""
+from __future__ import annotations
+
+import signal as _signal
+from typing import Dict, List, Optional
+
+__all__ = [
+    "MPLaunchError",
+    "WorkerError",
+    "MainProcessError",
+    "LaunchTimeout",
+    "RankFailure",
+    "RemoteException",
+]
+
+
+def signal_name(signo: Optional[int]) -> Optional[str]:
+    """'SIGSEGV' for 11; None for None; 'signal 77' for numbers with no name."""
+    if signo is None:
+        return None
+    try:
+        return _signal.Signals(signo).name
+    except ValueError:
+        return f"signal {signo}"
+
+
+class MPLaunchError(Exception):
+    """Base class of the errors mplaunch raises about a launch (not about bad input,
+    which raises the builtin ``TypeError``/``ValueError`` before any process starts)."""
+
+    __module__ = "mplaunch"
+
+
+class RankFailure:
+    """What is known about one failed rank: a plain record, one per failing rank.
+
+    ``exitcode`` is the process exit code (negative for a signal, as in
+    :attr:`multiprocessing.Process.exitcode`); ``signal`` its name ("SIGSEGV") or None;
+    ``exc_type`` and ``message`` describe the exception the rank raised (None if it
+    raised none); ``traceback`` is the worker's formatted traceback text;
+    ``stderr_tail`` the last lines the rank wrote to stderr; ``attempt`` the restart
+    attempt (0 for the first run); ``timestamp`` when the failure was observed
+    (``time.time()`` in the worker when it raised, else in the parent).
+    """
+
+    __module__ = "mplaunch"
+    __slots__ = (
+        "rank", "pid", "exitcode", "signal", "exc_type", "message", "traceback",
+        "stderr_tail", "attempt", "timestamp", "local_rank", "node_rank", "hostname",
+    )
+
+    def __init__(self, rank, pid=None, exitcode=None, signal=None, exc_type=None,
+                 message=None, traceback=None, stderr_tail=None, attempt=0,
+                 timestamp=None, local_rank=None, node_rank=0, hostname=None):
+        self.rank = rank
+        self.pid = pid
+        self.exitcode = exitcode
+        self.signal = signal
+        self.exc_type = exc_type
+        self.message = message
+        self.traceback = traceback
+        self.stderr_tail = stderr_tail
+        self.attempt = attempt
+        self.timestamp = timestamp
+        self.local_rank = rank if local_rank is None else local_rank
+        self.node_rank = node_rank
+        self.hostname = hostname
+
+    def __reduce__(self):
+        return (RankFailure, tuple(getattr(self, k) for k in self.__slots__))
+
+    def __eq__(self, other):
+        if not isinstance(other, RankFailure):
+            return NotImplemented
+        return all(getattr(self, k) == getattr(other, k) for k in self.__slots__)
+
+    __hash__ = None  # mutable record
+
+    def describe(self) -> str:
+        """One line: what happened to this rank."""
+        who = f"rank {self.rank}"
+        if self.pid is not None:
+            who += f" (pid {self.pid}"
+            if self.hostname:
+                who += f" on {self.hostname}"
+            who += ")"
+        if self.exc_type is not None:
+            what = f"raised {self.exc_type}"
+            if self.message:
+                what += f": {self.message}"
+        elif self.signal is not None:
+            what = f"was killed by {self.signal} (exit code {self.exitcode})"
+        elif self.message:
+            what = self.message
+        else:
+            what = f"exited with code {self.exitcode}"
+        if self.attempt:
+            what += f" [attempt {self.attempt}]"
+        return f"{who} {what}"
+
+    def __repr__(self):
+        return f"<RankFailure {self.describe()}>"
+
+
+class WorkerError(MPLaunchError):
+    """A rank failed: it raised, exited non-zero, was killed by a signal, or exited
+    without returning a result.
+
+    The first failure (by time) is described by the attributes ``rank``
+    (also ``worker_id``), ``pid``, ``exitcode``, ``signal`` (a name such as "SIGSEGV",
+    or None), ``traceback`` (the worker's traceback text, or None) and
+    ``stderr_tail``. ``failures`` lists every rank that failed, first first, as
+    :class:`RankFailure` records; ``previous_attempts`` holds the failures of earlier
+    attempts when ``max_restarts`` was used.
+
+    When the rank raised, ``__cause__`` is the worker's own exception, rebuilt with its
+    type, message, traceback frames, ``__cause__`` and ``__context__`` (or a
+    :class:`RemoteException` standing in for one that could not be pickled), so a
+    debugger or pytest shows where the worker failed. Catch it around
+    :func:`mplaunch.launch` and inspect ``err.__cause__`` or ``err.failures``.
+    """
+
+    __module__ = "mplaunch"
+
+    def __init__(self, failures: List[RankFailure], previous_attempts=None, note=None):
+        if not failures:
+            raise ValueError("WorkerError needs at least one RankFailure")
+        self.failures = list(failures)
+        self.previous_attempts: List[List[RankFailure]] = list(previous_attempts or [])
+        self.note = note
+        super().__init__(self._message())
+
+    @property
+    def first(self) -> RankFailure:
+        return self.failures[0]
+
+    rank = property(lambda self: self.first.rank)
+    worker_id = property(lambda self: self.first.rank)
+    pid = property(lambda self: self.first.pid)
+    exitcode = property(lambda self: self.first.exitcode)
+    signal = property(lambda self: self.first.signal)
+    traceback = property(lambda self: self.first.traceback)
+    stderr_tail = property(lambda self: self.first.stderr_tail)
+    exc_type = property(lambda self: self.first.exc_type)
+
+    def _message(self) -> str:
+        first = self.first
+        lines = [first.describe()]
+        if self.note:
+            lines[0] += f" {self.note}"
+        others = self.failures[1:]
+        if others:
+            lines.append(f"{len(others)} more rank(s) failed after it: "
+                         + "; ".join(f.describe() for f in others[:8])
+                         + (" ..." if len(others) > 8 else ""))
+        for i, attempt in enumerate(self.previous_attempts):
+            if attempt:
+                lines.append(f"earlier attempt {attempt[0].attempt}: "
+                             + "; ".join(f.describe() for f in attempt[:4]))
+        if first.stderr_tail:
+            lines.append(f"--- last lines of rank {first.rank}'s stderr ---")
+            lines.append(first.stderr_tail.rstrip("\n"))
+        return "\n".join(lines)
+
+    def __reduce__(self):
+        return (_rebuild_worker_error,
+                (type(self), self.failures, self.previous_attempts, self.note,
+                 self.__dict__))
+
+
+def _rebuild_worker_error(cls, failures, previous, note, state):
+    err = cls.__new__(cls)
+    WorkerError.__init__(err, failures, previous, note)
+    err.__dict__.update(state)
+    return err
+
+
+class LaunchTimeout(WorkerError, TimeoutError):
+    """The launch ran past its ``timeout``.
+
+    ``stacks`` maps each rank that was still running to the text of its Python stack
+    (all threads) at the moment the time ran out; the message shows the innermost
+    frames of each, with source lines, so the rank that never reached a collective
+    stands out. ``timeout`` is the limit in seconds.
+    """
+
+    __module__ = "mplaunch"
+
+    def __init__(self, failures, timeout=None, stacks: Optional[Dict[int, str]] = None,
+                 summary: Optional[str] = None, previous_attempts=None):
+        self.timeout = timeout
+        self.stacks = dict(stacks or {})
+        self.summary = summary
+        WorkerError.__init__(self, failures, previous_attempts)
+
+    def _message(self) -> str:
+        head = f"launch timed out after {self.timeout:g} s" if self.timeout else "launch timed out"
+        running = sorted(self.stacks)
+        head += f"; {len(running)} rank(s) still running: {running}" if running else ""
+        return head + ("\n" + self.summary if self.summary else "")
+
+    def __reduce__(self):
+        return (_rebuild_timeout,
+                (type(self), self.failures, self.timeout, self.stacks, self.summary,
+                 self.previous_attempts, self.__dict__))
+
+
+def _rebuild_timeout(cls, failures, timeout, stacks, summary, previous, state):
+    err = cls.__new__(cls)
+    LaunchTimeout.__init__(err, failures, timeout, stacks, summary, previous)
+    err.__dict__.update(state)
+    return err
+
+
+class MainProcessError(MPLaunchError):
+    """The launching process received a signal (SIGINT, SIGTERM, SIGHUP or SIGQUIT)
+    while :func:`mplaunch.launch` ran in its main thread.
+
+    The signal was forwarded to every rank, the ranks were torn down, and then this was
+    raised. ``signal_no`` is the signal's number and ``signal_name`` its name. A launch
+    with ``max_restarts`` is never restarted after this. To stop a launch on purpose,
+    send the launching process SIGINT (Ctrl-C, or "interrupt kernel" in Jupyter).
+    """
+
+    __module__ = "mplaunch"
+
+    def __init__(self, signal_no: int, nprocs: Optional[int] = None):
+        self.signal_no = signal_no
+        self.nprocs = nprocs
+        super().__init__(signal_no, nprocs)
+
+    @property
+    def signal_name(self) -> str:
+        return signal_name(self.signal_no)
+
+    def __str__(self):
+        ranks = f"all {self.nprocs} ranks were" if self.nprocs else "the ranks were"
+        return (f"the launching process received {self.signal_name}; {ranks} sent "
+                f"{self.signal_name} and torn down")
+
+
+class RemoteException(Exception):
+    """Stands in for an exception a worker raised that could not be pickled (or
+    unpickled in the parent): it keeps the original type's name, its message and the
+    worker's traceback text."""
+
+    __module__ = "mplaunch"
+
+    def __init__(self, type_name: str, message: str, traceback: Optional[str] = None):
+        self.type_name = type_name
+        self.message = message
+        self.traceback = traceback
+        super().__init__(type_name, message, traceback)
+
+    def __str__(self):
+        text = f"{self.type_name}: {self.message}" if self.message else self.type_name
+        if self.traceback:
+            text += "\n\nWorker traceback:\n" + self.traceback.rstrip("\n")
+        return text
