@@ -37,7 +37,8 @@ def user_env_for(env: EnvArg, rank: int) -> Dict[str, str]:
 def rank_env(*, base: Mapping[str, str], rank: int, local_rank: int, world_size: int,
              local_world_size: int, node_rank: int, nnodes: int, master_addr: str,
              master_port: int, restart_count: int, max_restarts: int,
-             extra: Mapping[str, str], store: Optional[str]) -> Dict[str, str]:
+             extra: Mapping[str, str], store: Optional[str],
+             store_prefix: str = "") -> Dict[str, str]:
     env = dict(base)
     if "OMP_NUM_THREADS" not in env and local_world_size > 1:
         # torchrun's reasoning: N ranks each using every core oversubscribe the machine.
@@ -60,6 +61,8 @@ def rank_env(*, base: Mapping[str, str], rank: int, local_rank: int, world_size:
         "PYTHONUNBUFFERED": "1",
     })
     if store:
+        # Read by the rank's env:// hook; each attempt has its own keys in the store.
         env["MPLAUNCH_STORE"] = store
+        env["MPLAUNCH_STORE_PREFIX"] = store_prefix
     env.update(extra)
     return env

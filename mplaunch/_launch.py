@@ -34,7 +34,7 @@ def launch(
     kwargs: Optional[Mapping[str, Any]] = None,
     start_method: Optional[str] = None,
     env: Any = None,
-    master_addr: str = "127.0.0.1",
+    master_addr: Optional[str] = None,
     master_port: Optional[int] = None,
     grace_period: float = 5.0,
     timeout: Optional[float] = None,
@@ -44,8 +44,8 @@ def launch(
     relay: bool = True,
     ranks_filter: Optional[Iterable[int]] = None,
     log_dir: Optional[str] = None,
-    nnodes: int = 1,
-    node_rank: int = 0,
+    nnodes: Optional[int] = None,
+    node_rank: Optional[int] = None,
     _script: Optional[tuple] = None,
 ) -> List[Any]:
     """Run ``func(*args, **kwargs)`` in ``nprocs`` new processes and return their results.
@@ -81,8 +81,10 @@ def launch(
             once CUDA is initialised).
         env: extra variables for every rank: a dict of str, or a callable
             ``rank -> dict``. Applied before ``func`` is unpickled.
-        master_addr, master_port: where the rendezvous store listens. With
-            ``master_port=None`` a free port is bound and held for the whole launch.
+        master_addr, master_port: where the rendezvous store listens (default
+            127.0.0.1, or under ``srun`` the first node of the step). With
+            ``master_port=None`` on one node a free port is bound and held for the
+            whole launch.
         grace_period: seconds between SIGTERM and SIGKILL when tearing ranks down.
         timeout: seconds; past it every rank's stack is collected and
             :class:`~mplaunch.LaunchTimeout` is raised.
@@ -97,7 +99,11 @@ def launch(
         ranks_filter: relay only these ranks' output (all still go to ``log_dir``).
         log_dir: write ``log_dir/attempt_<n>/<rank>/stdout.log`` and ``stderr.log``, and
             ``error.json`` for a failing rank.
-        nnodes, node_rank: for more than one machine; see the multi-node guide.
+        nnodes, node_rank: for more than one machine: every node calls ``launch``
+            with the same ``nprocs``, ``master_addr`` and ``master_port``, and its own
+            ``node_rank``; node 0 hosts the store. Global rank = ``node_rank * nprocs +
+            local_rank``. Inside an ``srun`` step (one task per node) they are read
+            from SLURM when not given. Each node returns its own ranks' results.
 
     Raises:
         WorkerError: a rank failed; the first failure's details are its attributes and
@@ -116,41 +122,60 @@ def launch(
                      for lr in range(cfg.nprocs)]
     payload_fd = _sys.memfd_with(payload, "mplaunch-payload")
     previous: list = []
+    from ._monitor import server_preload
+    _procs.get_server(server_preload(cfg))  # a cold server imports torch meanwhile
     try:
-        for attempt in range(cfg.max_restarts + 1):
-            try:
-                return _run_attempt(cfg, attempt, payload_fd)
-            except WorkerError as err:
-                if attempt >= cfg.max_restarts or isinstance(err, LaunchTimeout):
-                    if previous:
-                        err.previous_attempts = previous + err.previous_attempts
-                        err.args = (err._message(),)
-                    raise
-                previous.append(err.failures)
+        with _store.hosted(cfg) as hosted:
+            for attempt in range(cfg.max_restarts + 1):
+                try:
+                    return _run_attempt(cfg, attempt, payload_fd, hosted)
+                except WorkerError as err:
+                    if attempt >= cfg.max_restarts:
+                        if previous:
+                            err.previous_attempts = previous + err.previous_attempts
+                            err.args = (err._message(),)
+                        raise
+                    previous.append(err.failures)
     finally:
         os.close(payload_fd)
 
 
-def _run_attempt(cfg, attempt: int, payload_fd: int) -> List[Any]:
-    from ._monitor import server_preload
-    _procs.get_server(server_preload(cfg))  # a cold server imports torch meanwhile
-    with _store.hosted(cfg) as (store_addr, port):
-        specs = _rank_specs(cfg, attempt, port, store_addr)
-        cfg.started_at = time.monotonic()
-        att = Attempt(cfg, attempt, specs, payload_fd)
-        with _signals.forwarding(att.on_signal):
-            ranks = att.run()
+def _run_attempt(cfg, attempt: int, payload_fd: int, hosted) -> List[Any]:
+    from ._nodes import NodeWatch
+    specs = _rank_specs(cfg, attempt, hosted.port, hosted.address)
+    cfg.started_at = time.monotonic()
+    watch = (NodeWatch(hosted.store, attempt, cfg.node_rank, cfg.nnodes)
+             if cfg.nnodes > 1 else None)
+    att = Attempt(cfg, attempt, specs, payload_fd, watch)
+    with _signals.forwarding(att.on_signal):
+        ranks = att.run()
     if att.signal_received is not None:
         raise MainProcessError(att.signal_received, cfg.nprocs)
-    if att.failures or att.timed_out:
+    if att.failures or att.timed_out or att.remote_node is not None:
         raise _error_for(cfg, att)
     return [r.result for r in ranks]
 
 
 def _error_for(cfg, att: Attempt) -> WorkerError:
-    failures = sorted(att.failures, key=lambda f: (f.timestamp or 0.0))
+    if att.remote_node is not None:
+        # Another node failed first: raise its error, as every node does.
+        if att.remote_report is not None:
+            failures, error_msg = att.remote_report
+        else:
+            from .errors import RankFailure
+            failures = [RankFailure(att.specs[0]["global_rank"], None, None, None,
+                                    message=f"was torn down because node "
+                                            f"{att.remote_node} failed",
+                                    attempt=att.attempt, timestamp=time.time())]
+            error_msg = None
+        err = WorkerError(failures, note=f"[on node {failures[0].node_rank}]"
+                          if cfg.nnodes > 1 else None)
+        cause = att.cause(error_msg)
+        if cause is not None:
+            err.__cause__ = cause
+        return err
+    failures = att.final_failures()
     for f in failures:
-        f.stderr_tail = att.stderr_tail(f.local_rank) or None
         if cfg.log_dir is not None:
             path = os.path.join(cfg.log_dir, f"attempt_{att.attempt}", str(f.local_rank),
                                 "error.json")
@@ -163,8 +188,9 @@ def _error_for(cfg, att: Attempt) -> WorkerError:
         err = LaunchTimeout(failures or [_timeout_record(cfg, att)], cfg.timeout,
                             att.stacks, summarize_stacks(att.stacks))
     else:
-        err = WorkerError(failures)
-    cause = att.exception_of(failures[0].local_rank) if failures else None
+        err = WorkerError(failures, note=f"[on node {cfg.node_rank}]"
+                          if cfg.nnodes > 1 else None)
+    cause = att.cause(att.first_error())
     if cause is not None:
         err.__cause__ = cause
     return err
@@ -172,8 +198,7 @@ def _error_for(cfg, att: Attempt) -> WorkerError:
 
 def _timeout_record(cfg, att):
     from .errors import RankFailure
-    stuck = sorted(att.stacks) or [0]
-    r = att.ranks[0]
+    stuck = sorted(att.stacks) or [att.specs[0]["global_rank"]]
     return RankFailure(stuck[0], None, None, None, exc_type=None,
                        message=f"was still running after {cfg.timeout:g} s",
                        attempt=att.attempt, timestamp=time.time())
@@ -191,7 +216,8 @@ def _rank_specs(cfg, attempt: int, port: int, store_addr: Optional[str]) -> List
                        local_world_size=cfg.nprocs, node_rank=cfg.node_rank,
                        nnodes=cfg.nnodes, master_addr=cfg.master_addr, master_port=port,
                        restart_count=attempt, max_restarts=cfg.max_restarts,
-                       extra=cfg.user_envs[lr], store=store_addr)
+                       extra=cfg.user_envs[lr], store=store_addr,
+                       store_prefix=f"mplaunch/attempt_{attempt}/ranks/")
         specs.append({
             "rank": rank, "global_rank": rank, "local_rank": lr,
             "node_rank": cfg.node_rank, "hostname": host,
@@ -224,6 +250,17 @@ def _validate(func, args, nprocs, kwargs, start_method, env, master_addr, master
         raise TypeError("kwargs keys must be strings (argument names)")
     if not _is_int(nprocs) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    if nnodes is None or node_rank is None or master_addr is None:
+        from ._slurm import layout
+        slurm = layout(os.environ) if nnodes is None else None
+        if slurm is not None and slurm["nnodes"] > 1:
+            nnodes = slurm["nnodes"]
+            node_rank = slurm["node_rank"] if node_rank is None else node_rank
+            master_addr = slurm["master_addr"] if master_addr is None else master_addr
+            master_port = slurm["master_port"] if master_port is None else master_port
+        nnodes = 1 if nnodes is None else nnodes
+        node_rank = 0 if node_rank is None else node_rank
+        master_addr = "127.0.0.1" if master_addr is None else master_addr
     for name, value in (("nnodes", nnodes), ("max_restarts", max_restarts)):
         if not _is_int(value) or value < (1 if name == "nnodes" else 0):
             raise ValueError(f"{name} must be an int >= {1 if name == 'nnodes' else 0}, "

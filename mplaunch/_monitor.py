@@ -14,6 +14,7 @@ from . import _procs, _sys
 from ._channel import FramedReader, recv_obj, send_obj
 from ._output import StreamRelay, read_pipe, set_pipe_size, summarize_tail
 from ._serialize import loads_result, unpack_exception
+from ._nodes import POLL_INTERVAL, NodeLost
 from ._signals import Waker
 from .errors import RankFailure, signal_name
 
@@ -51,8 +52,13 @@ class _Rank:
 class Attempt:
     """Runs the ranks of one attempt. `cfg` is the launch's validated configuration."""
 
-    def __init__(self, cfg, attempt: int, specs: List[dict], payload_fd: int):
+    def __init__(self, cfg, attempt: int, specs: List[dict], payload_fd: int,
+                 watch=None):
         self.cfg = cfg
+        self.watch = watch            # NodeWatch when nnodes > 1
+        self.claimed = False          # this node reported the launch's failure
+        self.remote_node = None       # another node failed first
+        self.remote_report = None     # (failures, error message) from that node
         self.attempt = attempt
         self.specs = specs
         self.payload_fd = payload_fd
@@ -88,6 +94,8 @@ class Attempt:
             self._loop()
         finally:
             self._finish()
+        if self.watch is not None:
+            self._settle_with_other_nodes()
         return self.ranks
 
     # -- starting ------------------------------------------------------------------
@@ -185,8 +193,12 @@ class Attempt:
                 wait = max(0.0, self.kill_deadline - now)
             if deadline is not None and self.teardown_started is None:
                 wait = max(0.0, deadline - now) if wait is None else min(wait, deadline - now)
+            if self.watch is not None:
+                wait = POLL_INTERVAL if wait is None else min(wait, POLL_INTERVAL)
             for key, _ in self.sel.select(wait):
                 self._dispatch(key)
+            if self.watch is not None and self.teardown_started is None:
+                self._poll_nodes()
             now = time.monotonic()
             if self.signal_received is not None and self.teardown_started is None:
                 self._begin_teardown(self.signal_received)
@@ -346,6 +358,8 @@ class Attempt:
         failure.hostname = spec["hostname"]
         self.failures.append(failure)
         if self.teardown_started is None:
+            if self.watch is not None and self.remote_node is None:
+                self._claim()
             self._begin_teardown(signal.SIGTERM)
 
     def _begin_teardown(self, signo: int) -> None:
@@ -369,6 +383,75 @@ class Attempt:
                 send_obj(self.channel, ("signal", signo, pids))
             except OSError:
                 pass
+
+    # -- other nodes -----------------------------------------------------------------
+    def _claim(self) -> None:
+        try:
+            won = self.watch.claim()
+        except NodeLost:
+            return
+        if won == self.watch.node_rank:
+            self.claimed = True
+        else:
+            self.remote_node = won
+
+    def _poll_nodes(self) -> None:
+        try:
+            failed = self.watch.failed_node()
+        except NodeLost as exc:
+            self._fail(RankFailure(0, None, None, None, message=str(exc),
+                                   attempt=self.attempt, timestamp=time.time()))
+            return
+        if failed is not None and failed != self.watch.node_rank:
+            self.remote_node = failed
+            self._begin_teardown(signal.SIGTERM)
+
+    def _settle_with_other_nodes(self) -> None:
+        """Every local rank is gone. Agree with the other nodes on the outcome: wait for
+        them to succeed (or for one to fail), exchange the failure report, and on node
+        0 keep the store up until every node has read it."""
+        w = self.watch
+        try:
+            if self.signal_received is not None and self.remote_node is None \
+                    and not self.claimed:
+                self._claim()
+            if not self.failures and self.remote_node is None and not self.claimed \
+                    and self.signal_received is None and not self.timed_out:
+                w.store.add(w.prefix + "ok", 1)
+                while True:
+                    failed = w.failed_node()
+                    if failed is not None:
+                        self.remote_node = failed
+                        break
+                    if w.store.add(w.prefix + "ok", 0) >= w.nnodes:
+                        break
+                    if self.signal_received is not None:
+                        self._claim()
+                        break
+                    self._idle(POLL_INTERVAL)
+            if self.claimed:
+                w.publish(self.final_failures(), self.first_error())
+            elif self.remote_node is not None:
+                self.remote_report = w.report(wait=30.0)
+            w.mark_done()
+            if w.node_rank == 0:
+                end = time.monotonic() + 30.0
+                while not w.all_done() and time.monotonic() < end:
+                    self._idle(POLL_INTERVAL)
+        except NodeLost as exc:
+            if not self.failures and self.remote_node is None:
+                self.failures.append(RankFailure(
+                    self.specs[0]["global_rank"], None, None, None, message=str(exc),
+                    attempt=self.attempt, timestamp=time.time()))
+
+    def _idle(self, seconds: float) -> None:
+        """Sleep, but wake for a signal (the handler writes to the waker)."""
+        import select
+        try:
+            select.select([self.waker.r], [], [], seconds)
+        except InterruptedError:
+            pass
+        self.waker.drain()
 
     # -- timeouts --------------------------------------------------------------------
     def _on_timeout(self) -> None:
@@ -488,6 +571,20 @@ class Attempt:
             sel.close()
 
     # -- outcome -------------------------------------------------------------------
+    def final_failures(self) -> List[RankFailure]:
+        """This node's failures, first first, each with the end of its stderr."""
+        failures = sorted(self.failures, key=lambda f: (f.timestamp or 0.0))
+        for f in failures:
+            if f.pid is not None and f.stderr_tail is None:
+                f.stderr_tail = self.stderr_tail(f.local_rank) or None
+        return failures
+
+    def first_error(self):
+        """The "err" message of the first failing rank, if it raised."""
+        failures = self.final_failures()
+        if not failures:
+            return None
+        return self.ranks[failures[0].local_rank].error
     def stderr_tail(self, local_rank: int) -> str:
         r = self.ranks[local_rank]
         text = r.err.tail_text()
@@ -498,9 +595,8 @@ class Attempt:
                 text = head
         return summarize_tail(text)
 
-    def exception_of(self, local_rank: int):
-        r = self.ranks[local_rank]
-        if r.error is None:
+    def cause(self, error_msg):
+        if error_msg is None:
             return None
-        _, blob, type_name, message, tb_text, _code, _ts = r.error
+        _, blob, type_name, message, tb_text, _code, _ts = error_msg
         return unpack_exception(blob, type_name, message, tb_text)

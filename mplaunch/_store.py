@@ -30,15 +30,43 @@ def _bind(addr: str, port: int) -> socket.socket:
     raise last or OSError(f"cannot resolve {addr!r}")
 
 
-@contextlib.contextmanager
-def hosted(cfg):
-    """Yields ("host:port" the ranks should treat as mplaunch's store, port).
+class Hosted:
+    """The launch's store as this node sees it: `store` is a TCPStore (the server on
+    node 0, a client elsewhere) the parent uses to watch the other nodes."""
 
-    On node 0 the store is hosted here; on other nodes nothing is hosted and the
-    ranks connect to node 0's store.
+    def __init__(self, addr: str, port: int, store):
+        self.addr, self.port, self.store = addr, port, store
+
+    @property
+    def address(self) -> str:
+        return f"{self.addr}:{self.port}"
+
+
+@contextlib.contextmanager
+def hosted(cfg, connect_timeout: float = 300.0):
+    """The store for the whole launch (every attempt uses its own key prefix).
+
+    On node 0 it is hosted here, on a socket bound before anything else; other nodes
+    connect to it (waiting for node 0 to come up, so a late node still joins).
     """
+    from torch.distributed import TCPStore
+    world = cfg.nnodes * cfg.nprocs
     if cfg.node_rank != 0:
-        yield (f"{cfg.master_addr}:{cfg.master_port}", cfg.master_port)
+        try:
+            store = TCPStore(cfg.master_addr, cfg.master_port, world, False,
+                             timeout=timedelta(seconds=connect_timeout))
+        except Exception as exc:  # noqa: BLE001 - torch raises several kinds
+            raise OSError(errno.ECONNREFUSED,
+                          f"node {cfg.node_rank} could not reach node 0's store at "
+                          f"{cfg.master_addr}:{cfg.master_port} within "
+                          f"{connect_timeout:g} s: {exc}. Start node 0 with the same "
+                          "master_addr and master_port.") from None
+        hosted_ = Hosted(cfg.master_addr, cfg.master_port, store)
+        del store
+        try:
+            yield hosted_
+        finally:
+            hosted_.store = None  # a traceback may keep this frame (and so the store) alive
         return
     try:
         sock = _bind(cfg.master_addr, cfg.master_port or 0)
@@ -53,20 +81,22 @@ def hosted(cfg):
         raise OSError(exc.errno, f"mplaunch cannot listen on {cfg.master_addr}:"
                                  f"{cfg.master_port or 0}: {exc.strerror or exc}") from None
     port = sock.getsockname()[1]
-    from torch.distributed import TCPStore
-    world = cfg.nnodes * cfg.nprocs
     fd = sock.detach()  # the store owns the listening fd from here on, and closes it
     try:
         store = TCPStore(cfg.master_addr, port, world, True,
-                         timeout=timedelta(seconds=300), wait_for_workers=False,
-                         master_listen_fd=fd)
+                         timeout=timedelta(seconds=connect_timeout),
+                         wait_for_workers=False, master_listen_fd=fd)
     except BaseException:
         try:
             os.close(fd)
         except OSError:
             pass
         raise
+    hosted_ = Hosted(cfg.master_addr, port, store)
+    del store
     try:
-        yield (f"{cfg.master_addr}:{port}", port)
+        yield hosted_
     finally:
-        del store  # stops the server and closes the port
+        # Dropping the last reference stops the server and closes the port, even while
+        # a traceback keeps the frames of this launch alive.
+        hosted_.store = None

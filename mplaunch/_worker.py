@@ -263,11 +263,14 @@ def _patch_rendezvous(mod) -> None:
                 kw["timeout"] = timeout
             yield from original(url, **kw)
             return
-        from torch.distributed import TCPStore
+        from torch.distributed import PrefixStore, TCPStore
         rank = int(os.environ["RANK"])
         world_size = int(os.environ["WORLD_SIZE"])
         kw = {} if timeout is None else {"timeout": timeout}
         store = TCPStore(host, int(port), world_size, False, **kw)
+        prefix = os.environ.get("MPLAUNCH_STORE_PREFIX")
+        if prefix:
+            store = PrefixStore(prefix, store)
         yield (store, rank, world_size)
         raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 
