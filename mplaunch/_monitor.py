@@ -90,12 +90,17 @@ class Attempt:
 
     def run(self):
         try:
-            self._start_all()
-            self._loop()
+            try:
+                self._start_all()
+                self._loop()
+            finally:
+                self._finish()
+            if self.watch is not None:
+                self._settle_with_other_nodes()
         finally:
-            self._finish()
-        if self.watch is not None:
-            self._settle_with_other_nodes()
+            self.waker.close()
+            _procs.disown_fd(self.waker.r)
+            _procs.disown_fd(self.waker.w)
         return self.ranks
 
     # -- starting ------------------------------------------------------------------
@@ -513,9 +518,6 @@ class Attempt:
         if self.channel is not None:
             self.channel.close()
         self.sel.close()
-        self.waker.close()
-        _procs.disown_fd(self.waker.r)
-        _procs.disown_fd(self.waker.w)
 
     def _wait_exits(self, ranks) -> None:
         end = time.monotonic() + 10.0
