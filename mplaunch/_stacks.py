@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import linecache
+import os
 import re
 from typing import Dict, List, Tuple
 
@@ -9,6 +10,7 @@ _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
 
 INNERMOST = 4
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def parse_dump(text: str) -> List[Tuple[str, List[Tuple[str, int, str]]]]:
@@ -20,7 +22,9 @@ def parse_dump(text: str) -> List[Tuple[str, List[Tuple[str, int, str]]]]:
             threads.append((line.rstrip(":").replace(" (most recent call first)", ""), []))
             continue
         f = _FRAME.match(line)
-        if f and threads:
+        if f and threads and not f["file"].startswith(_OWN_DIR) and f["file"] != "<string>":
+            # mplaunch's own frames (the server's loop, the worker's bootstrap) are
+            # below every rank's stack and say nothing about where it waits
             threads[-1][1].append((f["file"], int(f["line"]), f["func"]))
     return threads
 

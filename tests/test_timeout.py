@@ -1,0 +1,64 @@
+"""launch(timeout=...) shows where every rank is stuck."""
+import time
+
+import pytest
+
+import mplaunch
+
+
+def one_rank_skips_the_barrier():
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        time.sleep(600)  # rank 1 never reaches the barrier
+    dist.barrier()  # rank 0 waits here forever
+
+
+def test_timeout_reports_each_ranks_stack():
+    with pytest.raises(mplaunch.LaunchTimeout) as info:
+        mplaunch.launch(one_rank_skips_the_barrier, nprocs=2, timeout=20, grace_period=1)
+    err = info.value
+    assert isinstance(err, TimeoutError) and isinstance(err, mplaunch.WorkerError)
+    assert err.timeout == 20
+    assert sorted(err.stacks) == [0, 1]
+    # rank 0 sits inside a C call (the gloo barrier): the stack still arrived, and the
+    # message shows the line that called it, with its source
+    assert "one_rank_skips_the_barrier" in err.stacks[0]
+    text = str(err)
+    assert "dist.barrier()" in text
+    assert "time.sleep(600)" in text
+    # rank by rank
+    assert text.index("rank 0:") < text.index("dist.barrier()") < text.index("rank 1:")
+
+
+def sleeper_with_thread():
+    import threading
+    t = threading.Thread(target=time.sleep, args=(600,), name="helper", daemon=True)
+    t.start()
+    time.sleep(600)
+
+
+def test_timeout_shows_every_thread():
+    with pytest.raises(mplaunch.LaunchTimeout) as info:
+        mplaunch.launch(sleeper_with_thread, nprocs=1, timeout=4, grace_period=1)
+    stack = info.value.stacks[0]
+    assert stack.count("Thread 0x") + stack.count("Current thread 0x") == 2
+
+
+def blocks_the_stack_signal():
+    import signal
+    from mplaunch._worker import STACK_SIGNAL
+    signal.pthread_sigmask(signal.SIG_BLOCK, [STACK_SIGNAL])
+    time.sleep(600)
+
+
+def test_a_rank_that_cannot_answer_does_not_hang_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(mplaunch.LaunchTimeout) as info:
+        mplaunch.launch(blocks_the_stack_signal, nprocs=1, timeout=3, grace_period=1)
+    assert time.monotonic() - t0 < 60  # a deadline for a hang, not a speed claim
+    assert "did not answer" in str(info.value) or info.value.stacks[0] == ""
+
+
+def test_fast_ranks_are_not_affected_by_timeout():
+    assert mplaunch.launch(int, ("7",), 2, timeout=60) == [7, 7]
