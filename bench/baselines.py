@@ -257,6 +257,10 @@ def _helper_pids():
     rt = getattr(resource_tracker, "_resource_tracker", None)
     if rt is not None and getattr(rt, "_pid", None):
         pids.add(rt._pid)
+    # mplaunch's warm servers persist across launches by design, like the forkserver.
+    procs = sys.modules.get("mplaunch._procs")
+    if procs is not None:
+        pids.update(procs.server_pids())
     return pids
 
 

@@ -80,3 +80,27 @@ def test_worker_error_with_cause():
     assert isinstance(err.__cause__.__cause__, KeyError)
     assert "raise_in_rank_one" in err.traceback
     assert [f.rank for f in err.failures] == [1]
+
+
+def tensors_of_rank():
+    import torch
+    r = int(os.environ["RANK"])
+    big = torch.arange(300_000, dtype=torch.float64) + r           # through a memfd
+    return {"big": big, "strided": big.view(1000, 300)[:, ::7],      # non-contiguous
+            "small": torch.tensor([r]), "grad": torch.ones(20000, requires_grad=True),
+            "param": torch.nn.Parameter(torch.zeros(30000)), "empty": torch.empty(0, 3),
+            "half": torch.ones(70000, dtype=torch.bfloat16)}
+
+
+def test_tensors_come_back_intact():
+    import torch
+    out = mplaunch.launch(tensors_of_rank, nprocs=2)
+    for r, d in enumerate(out):
+        assert torch.equal(d["big"], torch.arange(300_000, dtype=torch.float64) + r)
+        assert torch.equal(d["strided"], d["big"].view(1000, 300)[:, ::7])
+        assert d["small"].item() == r
+        assert d["grad"].requires_grad and d["grad"].sum().item() == 20000
+        assert isinstance(d["param"], torch.nn.Parameter) or d["param"].requires_grad
+        assert d["empty"].shape == (0, 3)
+        assert d["half"].dtype == torch.bfloat16 and d["half"].float().sum().item() == 70000
+        d["big"].add_(1)  # the parent owns a writable copy
