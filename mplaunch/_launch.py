@@ -179,10 +179,10 @@ def _error_for(cfg, att: Attempt) -> WorkerError:
         if cfg.log_dir is not None:
             path = os.path.join(cfg.log_dir, f"attempt_{att.attempt}", str(f.local_rank),
                                 "error.json")
-            write_error_file(path, f, f.describe())
+            write_error_file(path, f)
     user_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if user_file and failures:
-        write_error_file(user_file, failures[0], failures[0].describe())
+        write_error_file(user_file, failures[0])
     if att.timed_out:
         from ._stacks import summarize_stacks
         err = LaunchTimeout(failures or [_timeout_record(cfg, att)], cfg.timeout,

@@ -131,6 +131,7 @@ class Attempt:
             _procs.own_fd(fd)
             os.set_blocking(fd, False)
         set_pipe_size(out_r)
+        set_pipe_size(err_r)  # logging and tqdm write to stderr, often as much as to stdout
         _procs._parent_only_socks.add(res_parent)
         r.reader = FramedReader(res_parent)
         r.out_fd, r.err_fd, r.stack_fd = out_r, err_r, stack_r

@@ -192,6 +192,11 @@ def _flush_streams() -> None:
             stream.flush()
         except BaseException:  # noqa: BLE001
             pass
+    try:
+        # C stdio (printf from extensions) buffers too, and os._exit does not flush it.
+        _sys._c().fflush(None)
+    except BaseException:  # noqa: BLE001
+        pass
 
 
 def _run_script(target: str, kind: str):
