@@ -159,7 +159,7 @@ def _run_attempt(cfg, attempt: int, payload_fd: int, hosted) -> List[Any]:
 def _error_for(cfg, att: Attempt) -> WorkerError:
     if att.remote_node is not None:
         # Another node failed first: raise its error, as every node does.
-        if att.remote_report is not None:
+        if att.remote_report is not None and att.remote_report[0]:
             failures, error_msg = att.remote_report
         else:
             from .errors import RankFailure

@@ -436,7 +436,17 @@ class Attempt:
                         break
                     self._idle(POLL_INTERVAL)
             if self.claimed:
-                w.publish(self.final_failures(), self.first_error())
+                failures = self.final_failures()
+                if not failures and self.signal_received is not None:
+                    # Nothing failed here: this node was told to stop. Tell the others
+                    # why their ranks are being torn down.
+                    failures = [RankFailure(
+                        self.specs[0]["global_rank"], None, None, None,
+                        message=f"was torn down because node {w.node_rank}'s launcher "
+                                f"received {signal_name(self.signal_received)}",
+                        attempt=self.attempt, timestamp=time.time(),
+                        node_rank=w.node_rank, hostname=self.specs[0]["hostname"])]
+                w.publish(failures, self.first_error())
             elif self.remote_node is not None:
                 self.remote_report = w.report(wait=30.0)
             w.mark_done()

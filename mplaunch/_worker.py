@@ -134,7 +134,7 @@ def _run_and_report(spec: dict, fds: dict) -> int:
         if exitcode == 0:
             _send(sock, ("ok", None))
             return 0
-        _send_exception(sock, exc, exitcode)
+        _send_exception(sock, exc, exitcode, show=False)  # as python does for exit(n)
         return exitcode
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt and pytest outcomes too
         _send_exception(sock, exc, EXIT_ERROR)
@@ -175,14 +175,15 @@ def _send_raw(sock, data: bytes, fds) -> None:
         pass  # the parent is gone; the death signal will end us
 
 
-def _send_exception(sock, exc: BaseException, exitcode: int) -> None:
+def _send_exception(sock, exc: BaseException, exitcode: int, show: bool = True) -> None:
     from ._serialize import pack_exception
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next  # our own frames say nothing about the user's failure
     exc.__traceback__ = tb
     blob, type_name, message, tb_text = pack_exception(exc)
-    sys.stderr.write(tb_text)
+    if show:
+        sys.stderr.write(tb_text)
     _send(sock, ("err", blob, type_name, message, tb_text, exitcode, time.time()))
 
 

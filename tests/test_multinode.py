@@ -27,9 +27,11 @@ def nodes():
     """Starts node processes; whatever happens, each is ended and reaped."""
     started = []
 
-    def start(rank, port, mode):
+    def start(rank, port, mode, ready_dir=None):
+        env = dict(os.environ, READY_DIR=str(ready_dir or ""))
         p = subprocess.Popen([sys.executable, NODE, str(rank), str(port), mode],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env)
         started.append(p)
         return p
 
@@ -91,3 +93,19 @@ def test_nnodes_needs_a_master_port():
         mplaunch.launch(print, nprocs=1, nnodes=2, node_rank=0)
     with pytest.raises(ValueError, match="node_rank"):
         mplaunch.launch(print, nprocs=1, nnodes=2, node_rank=2, master_port=1234)
+
+
+def test_a_signal_to_one_node_ends_the_others_with_a_worker_error(nodes, tmp_path):
+    import signal
+    port = _port()
+    n0 = nodes(0, port, "sleep", tmp_path)
+    n1 = nodes(1, port, "sleep", tmp_path)
+    ready = tmp_path  # the ranks of node.py "sleep" mode touch files here
+    deadline = time.monotonic() + 120
+    while len(list(ready.glob("ready-*"))) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    n1.send_signal(signal.SIGINT)
+    r0 = _result(n0)
+    r1 = _result(n1)
+    assert r1 == {"main_process_error": "SIGINT"}
+    assert "node 1's launcher received SIGINT" in r0["error"], r0

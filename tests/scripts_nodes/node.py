@@ -14,6 +14,9 @@ def all_reduce(mode):
     rank = dist.get_rank()
     if mode == "fail" and rank == 3:
         raise RuntimeError("rank 3 fails on purpose")
+    if mode == "sleep":
+        open(os.path.join(os.environ["READY_DIR"], f"ready-{rank}"), "w").close()
+        time.sleep(300)
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
     if mode == "fail":
@@ -30,6 +33,8 @@ if __name__ == "__main__":
                               master_addr="127.0.0.1", master_port=port, grace_period=2,
                               timeout=120)
         print(json.dumps({"ok": out}))
+    except mplaunch.MainProcessError as err:
+        print(json.dumps({"main_process_error": err.signal_name}))
     except mplaunch.WorkerError as err:
         print(json.dumps({"error": str(err).splitlines()[0], "rank": err.rank,
                           "cause": type(err.__cause__).__name__,
