@@ -79,6 +79,7 @@ class Attempt:
         self.channel: Optional[socket.socket] = None
         self.server = None
         self.files: list = []
+        self.fork_descendants: set = set()
 
     # -- public ----------------------------------------------------------------------
     def on_signal(self, signo: int) -> None:
@@ -381,8 +382,14 @@ class Attempt:
             return
         if self.cfg.start_method == "fork":
             for pid in pids:
-                # Our own children, not yet reaped: their pids are still theirs.
+                # Our own children, not yet reaped: their pids are still theirs. No
+                # server is their subreaper, so note their descendants while they are
+                # still below them (a grandchild in a session of its own is outside the
+                # group), and signal those too.
+                self.fork_descendants.update(_sys.descendants_of(pid))
                 _sys.killpg_quiet(pid, signo)
+                _sys.kill_quiet(pid, signo)
+            for pid in self.fork_descendants:
                 _sys.kill_quiet(pid, signo)
         else:
             try:
@@ -510,6 +517,10 @@ class Attempt:
         if alive:
             self._signal_ranks(signal.SIGKILL, alive)
             self._wait_exits(alive)
+        if self.fork_descendants:
+            for pid in self.fork_descendants:
+                _sys.kill_quiet(pid, signal.SIGKILL)
+            _sys.wait_dead(list(self.fork_descendants), timeout=2.0)
         if self.channel is not None and self.channel.fileno() != -1:
             try:
                 send_obj(self.channel, ("sweep",))

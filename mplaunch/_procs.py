@@ -219,7 +219,9 @@ def reap_forked(pid: int):
         return 0
     if info is None:
         return None
+    members = _sys.group_members(pid)
     _sys.killpg_quiet(pid, 9)
+    _sys.wait_dead(members, timeout=2.0)
     try:
         _, status = os.waitpid(pid, 0)
     except ChildProcessError:

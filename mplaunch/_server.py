@@ -206,6 +206,9 @@ class Server:
             victims.extend(_sys.descendants_of(pid))
         for pid in victims:
             _sys.kill_quiet(pid, signal.SIGKILL)
+        # The launch returns when we answer: what it started must be dead by then, not
+        # merely signalled.
+        _sys.wait_dead(victims, timeout=2.0)
         return len(victims)
 
     def _close_launch(self, launch) -> None:

@@ -6,6 +6,7 @@ import ctypes.util
 import os
 import signal
 import struct
+import time
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -116,6 +117,43 @@ def descendants_of(pid: int):
         seen.add(p)
         out.append(p)
         todo.extend(children_of(p))
+    return out
+
+
+def is_dead(pid: int) -> bool:
+    """True once `pid` has exited: a zombie has, only its exit status is left."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in (b"Z", b"X")
+
+
+def wait_dead(pids, timeout: float) -> list:
+    """Wait for processes already sent SIGKILL: the signal is only acted on when the
+    kernel next schedules them. Returns those still running after `timeout`."""
+    end = time.monotonic() + timeout
+    pending = [p for p in pids if not is_dead(p)]
+    while pending and time.monotonic() < end:
+        time.sleep(0.001)
+        pending = [p for p in pending if not is_dead(p)]
+    return pending
+
+
+def group_members(pgid: int):
+    """Pids whose process group is `pgid` (Linux /proc)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+        except OSError:
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            out.append(int(name))
     return out
 
 

@@ -111,7 +111,16 @@ def run_rank(spec: dict, fds: dict, expected_ppid: int):
             pass
     finally:
         _flush_streams()
+        _kill_descendants()
         os._exit(code)
+
+
+def _kill_descendants() -> None:
+    # What the function started and left running ends with the rank. Under a server
+    # that would happen anyway (it is their subreaper); a fork-mode rank's leftovers in
+    # a session of their own would otherwise outlive the launch.
+    for pid in _sys.descendants_of(os.getpid()):
+        _sys.kill_quiet(pid, signal.SIGKILL)
 
 
 def _run_and_report(spec: dict, fds: dict) -> int:

@@ -27,18 +27,26 @@ def write_atomic(path, text):
     os.replace(tmp, path)
 
 
-def hold(outdir):
+def hold(outdir, dataloader=True):
+    """With dataloader=False a plain multiprocessing child stands in for the DataLoader
+    workers, and the rank never imports torch."""
     rank = int(os.environ["RANK"])
     me = os.getpid()
     plain = subprocess.Popen(["sleep", "120"])
     detached = subprocess.Popen(["sleep", "120"], start_new_session=True)
-    from torch.utils.data import DataLoader
-    batches = iter(DataLoader(SlowRange(), batch_size=None, num_workers=2))
-    next(batches)
+    if dataloader:
+        from torch.utils.data import DataLoader
+        batches = iter(DataLoader(SlowRange(), batch_size=None, num_workers=2))
+        next(batches)
+    else:
+        import multiprocessing
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,))
+        child.start()
+        batches = None
 
     def on_signal(signo, _frame):
-        # Forked helpers (DataLoader workers) inherit this handler; only the rank itself
-        # may claim to have received the forwarded signal.
+        # Anything the rank forks from now on inherits this handler; only the rank
+        # itself may claim to have received the forwarded signal.
         if os.getpid() == me:
             write_atomic(os.path.join(outdir, f"signal.{rank}"), f"{signo} {me}")
         os._exit(128 + signo)
@@ -53,8 +61,11 @@ def hold(outdir):
         "descendants": [p.pid for p in psutil.Process().children(recursive=True)],
     }
     write_atomic(os.path.join(outdir, f"rank.{rank}.json"), json.dumps(record))
-    for _ in batches:
-        pass
+    while True:
+        if batches is not None:
+            next(batches)
+        else:
+            time.sleep(0.05)
 
 
 def recorded_pids(outdir):
