@@ -57,7 +57,10 @@ class Server:
                 key.data(key.fileobj)
 
     def _on_lifeline(self, sock) -> None:
-        msg, fds = recv_obj(sock)
+        try:
+            msg, fds = recv_obj(sock)
+        except OSError:  # ECONNRESET: the launching process died with our hello unread
+            msg, fds = None, []
         if msg is None:
             self._die()
         if msg[0] == "channel":
@@ -255,7 +258,10 @@ def main() -> None:
     import threading
     # The threads alive now are inherited (as dead copies) by every forked rank; the
     # launching side refuses to fork from a server that has any.
-    send_obj(lifeline, ("hello", os.getpid(), failed, threading.active_count()))
+    try:
+        send_obj(lifeline, ("hello", os.getpid(), failed, threading.active_count()))
+    except OSError:
+        os._exit(0)  # the launching process is already gone; nothing was started
     Server(lifeline).serve()
 
 

@@ -187,7 +187,8 @@ def _send_raw(sock, data: bytes, fds) -> None:
 def _send_exception(sock, exc: BaseException, exitcode: int, show: bool = True) -> None:
     from ._serialize import pack_exception
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
+                              or tb.tb_frame.f_code.co_filename == "<frozen runpy>"):
         tb = tb.tb_next  # our own frames say nothing about the user's failure
     exc.__traceback__ = tb
     blob, type_name, message, tb_text = pack_exception(exc)

@@ -1,0 +1,9 @@
+"""`python -m mplaunch` and the `mplaunch` command; see `mplaunch --help`."""
+import sys
+
+from ._cli import main
+
+__all__ = ["main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

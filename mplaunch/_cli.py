@@ -1,0 +1,503 @@
+"""The `mplaunch` command: run a script, a module or a function in N ranks, and watch them.
+
+The command is the ranks' watcher: it stays in the foreground, relays their output, tears
+every rank down on the first failure or on a signal, and exits with a code that says what
+happened. Everything here runs in the watcher; the ranks run through launch().
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import signal
+import sys
+import threading
+import traceback
+from typing import List, Optional, Sequence
+
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 124  # what timeout(1) uses
+
+_HANDLED_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+                         if hasattr(signal, n))
+
+_DESCRIPTION = """\
+Run a Python script, module or function in N processes (ranks) for PyTorch distributed
+work, and watch them: every rank is started and watched by this command (through a
+server process of its own), so a failing rank is seen at once, the others are stopped,
+and nothing outlives the command.
+
+  mplaunch -n 4 train.py --lr 0.1        run train.py as __main__ in 4 ranks
+  mplaunch -n 4 -m package.module ARGS   run a module, like python -m
+  mplaunch -n 4 package.module:function  call a function in 4 ranks
+
+Options go before the script; everything after it is the script's own command line,
+even arguments that look like mplaunch options (a '--' before the script is allowed).
+Each rank has RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT set, so torch.distributed.init_process_group() works with env://.
+"""
+
+_EPILOG = """\
+scripts and modules:
+  Each rank runs the script as __main__ with sys.argv = [script, ARGS...], as python
+  would (with -m, sys.argv[0] is the module's file). For a script, sys.path[0] is the
+  script's directory; for -m and package.module:function, the current directory.
+
+functions (package.module:function):
+  The function (or any callable attribute, e.g. module:Class.method) is imported here
+  first, so a typo is reported before any process starts, then imported again in each
+  rank and called with no arguments, like a console_scripts entry point: the remaining
+  arguments are in each rank's sys.argv[1:] (sys.argv[0] is the target as written). If
+  it returns an int, that is the rank's exit code; any other return value is ignored.
+
+exit status:
+  0        every rank succeeded
+  N        the first rank to fail exited with code N (1 for an uncaught exception)
+  128+S    the first rank to fail was killed by signal S (139 for SIGSEGV, 137 for SIGKILL)
+  124      --timeout expired (each rank's stack is printed)
+  128+S    this command received signal S (130 for SIGINT/Ctrl-C, 143 for SIGTERM):
+           every rank was sent it and torn down
+  2        bad command line, or a script, module or function that does not exist
+  A failure is summarised on stderr, on lines starting with "mplaunch: ": which rank
+  failed, how, and the last lines of its stderr.
+"""
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _on_signal(signo, _frame):
+    # launch() has its own handlers while ranks run; this one covers the rest of the
+    # command's life, when no rank exists. It must not raise: an exception thrown into
+    # arbitrary code (an import's bare `except:`, say) can be swallowed, and the command
+    # would go on to start ranks after all. Leaving at once is safe: mplaunch's server
+    # sees its lifeline close and stops whatever it had started.
+    try:
+        sys.stdout.flush()
+    except BaseException:  # noqa: BLE001 - possibly interrupted mid-write
+        pass
+    try:
+        os.write(2, f"mplaunch: received {signal.Signals(signo).name}; exiting\n".encode())
+    except OSError:
+        pass
+    os._exit(128 + signo)
+
+
+def _script_placeholder():  # pragma: no cover - never called: launch runs the script
+    raise RuntimeError("mplaunch: a script launch does not call its func")
+
+
+class EntryPoint:
+    """What each rank calls for `package.module:function`: imported by name in the rank
+    (so any callable works, picklable or not), with the command line in sys.argv."""
+
+    def __init__(self, module: str, attr: str, argv: List[str]):
+        self.module, self.attr, self.argv = module, attr, list(argv)
+
+    def __call__(self):
+        sys.argv[:] = self.argv
+        result = _resolve(self.module, self.attr)()
+        if isinstance(result, int) and not isinstance(result, bool) and result != 0:
+            raise SystemExit(result)
+        return None
+
+
+def _resolve(module: str, attr: str):
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# -- the command line ------------------------------------------------------------------
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _nprocs(text: str) -> int:
+    return _auto_nprocs() if text == "auto" else _positive_int(text)
+
+
+def _auto_nprocs() -> int:
+    try:
+        import torch
+        gpus = torch.cuda.device_count()  # NVML-based: does not initialise CUDA here
+    except Exception:  # noqa: BLE001 - no usable torch: count CPUs instead
+        gpus = 0
+    if gpus > 0:
+        return gpus
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}")
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
+def _seconds(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}")
+    if not x >= 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return x
+
+
+def _int_list(text: str) -> List[int]:
+    try:
+        return [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got "
+                                         f"{text!r}")
+
+
+def _name_list(text: str) -> List[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    from ._launch import START_METHODS
+    p = argparse.ArgumentParser(
+        prog="mplaunch", usage="%(prog)s -n N [options] [-m] script|package.module:function "
+                               "[ARGS ...]",
+        description=_DESCRIPTION, epilog=_EPILOG, allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", "--nprocs", type=_nprocs, required=True, metavar="N",
+                   help="ranks on this node: a number, or 'auto' (one per GPU, else one "
+                        "per CPU)")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="the target is a module to run as __main__, like python -m")
+    p.add_argument("--start-method", choices=START_METHODS, default=None,
+                   help="forkserver (default: ranks are forked from a warm server that "
+                        "has imported torch), spawn (each rank a fresh interpreter) or "
+                        "fork")
+    p.add_argument("--prefix", default=None, metavar="TEMPLATE",
+                   help="prefix of each relayed line; fields {rank}, {local_rank}, "
+                        "{node_rank}, {host} (default '[rank{rank}]: '; '' for none)")
+    p.add_argument("--no-relay", dest="relay", action="store_false",
+                   help="do not relay the ranks' stdout and stderr here")
+    p.add_argument("--ranks-filter", type=_int_list, default=None, metavar="R,R,...",
+                   help="relay only these local ranks' output (all still go to --log-dir)")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="write DIR/attempt_<n>/<rank>/stdout.log, stderr.log, and "
+                        "error.json for a failing rank")
+    p.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
+                   help="stop after this long, print every rank's stack, exit 124")
+    p.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
+                   help="on a failure, start every rank again up to N times")
+    p.add_argument("--grace-period", type=_seconds, default=None, metavar="SECONDS",
+                   help="between SIGTERM and SIGKILL when stopping ranks (default 5)")
+    p.add_argument("--preload", type=_name_list, default=None, metavar="MOD,MOD,...",
+                   help="modules the warm server imports once (default torch; '' for "
+                        "none)")
+    p.add_argument("--nnodes", type=_positive_int, default=None, metavar="N",
+                   help="number of nodes (default 1, or from SLURM inside srun)")
+    p.add_argument("--node-rank", type=_non_negative_int, default=None, metavar="I",
+                   help="this node's index, 0 to nnodes-1 (node 0 hosts the store)")
+    p.add_argument("--master-addr", default=None, metavar="HOST",
+                   help="address of node 0 (default 127.0.0.1)")
+    p.add_argument("--master-port", type=_port, default=None, metavar="PORT",
+                   help="port of the store on node 0 (default: a free port, held for the "
+                        "whole launch; required with --nnodes > 1)")
+    p.add_argument("--version", action="version", version=f"mplaunch {__version__}")
+    p.add_argument("target", metavar="script|package.module:function",
+                   help="what every rank runs, followed by its own arguments")
+    return p
+
+
+def _port(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}")
+    if not 1 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 1-65535, got {n}")
+    return n
+
+
+def split_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]):
+    """(mplaunch's options, target, the target's arguments). The target is the first
+    argument that is neither an option nor an option's value; what follows it is passed
+    on untouched, '--' and option-like words included (argparse would eat a '--')."""
+    takes_value = {}
+    for action in parser._actions:
+        for opt in action.option_strings:
+            takes_value[opt] = action.nargs != 0
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            if i + 1 >= len(argv):
+                return argv[:i], None, []
+            return argv[:i], argv[i + 1], argv[i + 2:]
+        if tok.startswith("-") and tok != "-":
+            if tok.startswith("--") and "=" in tok:
+                i += 1
+            elif takes_value.get(tok, False):
+                i += 2
+            else:
+                i += 1  # a flag, an attached value (-n4), or unknown: argparse says
+            continue
+        return argv[:i], tok, argv[i + 1:]
+    return argv, None, []
+
+
+def parse_args(argv: Sequence[str]):
+    parser = build_parser()
+    options, target, rest = split_command_line(parser, argv)
+    if target is None:
+        ns = parser.parse_args(options)  # --help, --version, or the missing-target error
+    else:
+        ns = parser.parse_args(options + ["--", target])
+    ns.args = rest
+    return parser, ns
+
+
+# -- what to run -----------------------------------------------------------------------
+
+def _is_function_target(target: str) -> bool:
+    module, sep, attr = target.partition(":")
+    return (bool(sep) and all(p.isidentifier() for p in module.split("."))
+            and all(p.isidentifier() for p in attr.split("."))
+            and not os.path.exists(target))
+
+
+def _sys_path_for(kind: str) -> List[str]:
+    """The sys.path the ranks start from, as python would set it for the same target:
+    sys.path[0] is where this command was run from (its own script's directory, or the
+    current directory for python -m mplaunch), which is no business of the ranks'."""
+    path = list(sys.path)
+    if getattr(sys.flags, "safe_path", False):
+        return path
+    path = path[1:]
+    if kind != "path":
+        path.insert(0, os.getcwd())
+    # kind "path": the rank puts the script's directory first itself
+    return path
+
+
+def _check_module(name: str) -> None:
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:
+            if importlib.util.find_spec(name + ".__main__") is None:
+                raise _UsageError(f"{name!r} is a package with no __main__ module, so it "
+                                  "cannot be run with -m")
+    except (ImportError, ValueError) as exc:
+        raise _UsageError(f"cannot run module {name!r}: {type(exc).__name__}: {exc}")
+    except _UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - importing its package ran user code
+        traceback.print_exc()
+        raise _UsageError(f"cannot run module {name!r}: importing it raised "
+                          f"{type(exc).__name__} (traceback above)")
+    if spec is None:
+        raise _UsageError(f"no module named {name!r}")
+
+
+def _check_function(target: str) -> None:
+    module, _, attr = target.partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
+            raise _UsageError(f"cannot run {target!r}: no module named {exc.name!r}")
+        traceback.print_exc()
+        raise _UsageError(f"cannot run {target!r}: importing {module!r} raised "
+                          f"{type(exc).__name__} (traceback above)")
+    except Exception as exc:  # noqa: BLE001 - import-time code of the user's module
+        traceback.print_exc()
+        raise _UsageError(f"cannot run {target!r}: importing {module!r} raised "
+                          f"{type(exc).__name__} (traceback above)")
+    obj = mod
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise _UsageError(f"cannot run {target!r}: {module!r} has no attribute "
+                              f"{attr!r}")
+    if not callable(obj):
+        raise _UsageError(f"cannot run {target!r}: it is a {type(obj).__name__}, not a "
+                          "function")
+
+
+def _check_path(target: str) -> None:
+    if not os.path.exists(target):
+        raise _UsageError(f"can't open file {os.path.abspath(target)!r}: no such file "
+                          "(for a function write package.module:function; for a module "
+                          "use -m)")
+    if os.path.isdir(target) and not any(
+            os.path.exists(os.path.join(target, f"__main__.{ext}")) for ext in ("py", "pyc")):
+        raise _UsageError(f"can't find '__main__' module in {target!r}")
+
+
+def _prepare(ns):
+    """(func, launch keyword arguments) for what the command line names; raises
+    _UsageError before anything starts if it names nothing runnable."""
+    target, args = ns.target, ns.args
+    if ns.module:
+        kind = "function" if _is_function_target(target) else "module"
+    else:
+        kind = "function" if _is_function_target(target) else "path"
+    sys.path[:] = _sys_path_for(kind)
+    if kind == "function":
+        _check_function(target)
+        module, _, attr = target.partition(":")
+        return EntryPoint(module, attr, [target, *args]), {}
+    if kind == "module":
+        _check_module(target)
+    else:
+        _check_path(target)
+    return _script_placeholder, {"_script": (target, kind, [target, *args])}
+
+
+def _launch_kwargs(ns) -> dict:
+    kw = {"relay": ns.relay, "max_restarts": ns.max_restarts}
+    # Only what was given: launch's own defaults (and SLURM detection) decide the rest.
+    for name in ("start_method", "prefix", "ranks_filter", "log_dir", "timeout",
+                 "grace_period", "preload", "nnodes", "node_rank", "master_addr",
+                 "master_port"):
+        value = getattr(ns, name)
+        if value is not None:
+            kw[name] = value
+    return kw
+
+
+# -- reporting -------------------------------------------------------------------------
+
+def _say(text: str) -> None:
+    lines = text.rstrip("\n").split("\n")
+    try:
+        sys.stderr.write("".join(f"mplaunch: {line}\n" for line in lines))
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def exit_code_of(failure) -> int:
+    """The command's exit code for a rank's failure, as a shell would report it."""
+    code = failure.exitcode
+    if code is None or code == 0:
+        return 1  # torn down, or left without a result: still a failure
+    if code < 0:
+        return 128 + (-code)
+    return code if code < 256 else 1
+
+
+def _tail_of(failure, max_lines: int = 40) -> str:
+    # The traceback was cut out of the stderr tail (launch raises it as __cause__ for
+    # Python callers); here the tail is all the user gets, so it goes back in.
+    tb = failure.traceback if failure.exc_type != "SystemExit" else None
+    parts = [t.rstrip("\n") for t in (failure.stderr_tail, tb) if t]
+    if not parts:
+        return ""
+    lines = "\n".join(parts).split("\n")
+    if tb and len(lines) > max_lines:
+        lines = ["..."] + lines[-max_lines:]
+    return "\n".join(lines)
+
+
+def report_failure(err, code: int) -> None:
+    first = err.failures[0]
+    lines = [f"{first.describe()}{' ' + err.note if err.note else ''}; exiting with {code}"]
+    others = err.failures[1:]
+    if others:
+        lines.append(f"{len(others)} more rank(s) failed after it: "
+                     + "; ".join(f.describe() for f in others[:8])
+                     + (" ..." if len(others) > 8 else ""))
+    for attempt in err.previous_attempts:
+        if attempt:
+            lines.append(f"earlier attempt {attempt[0].attempt}: "
+                         + "; ".join(f.describe() for f in attempt[:4]))
+    tail = _tail_of(first)
+    if tail:
+        lines.append(f"last lines of rank {first.rank}'s stderr:")
+        lines.extend("  " + line for line in tail.split("\n"))
+    _say("\n".join(lines))
+
+
+def _flush_stdout() -> None:
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        # The reader went away (mplaunch ... | head): say nothing more there, and keep
+        # the interpreter's final flush from failing too.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+
+
+# -- main ------------------------------------------------------------------------------
+
+def run(argv: Sequence[str]) -> int:
+    parser, ns = parse_args(argv)
+    try:
+        func, extra = _prepare(ns)
+    except _UsageError as exc:
+        _say(f"error: {exc}")
+        return EXIT_USAGE
+
+    from ._launch import launch
+    from .errors import LaunchTimeout, MainProcessError, WorkerError
+    try:
+        launch(func, nprocs=ns.nprocs, **_launch_kwargs(ns), **extra)
+    except LaunchTimeout as err:
+        _flush_stdout()
+        _say(str(err))
+        return EXIT_TIMEOUT
+    except WorkerError as err:
+        _flush_stdout()
+        code = exit_code_of(err.failures[0])
+        report_failure(err, code)
+        return code
+    except MainProcessError as err:
+        _flush_stdout()
+        _say(str(err))
+        return 128 + err.signal_no
+    except (TypeError, ValueError) as exc:
+        # launch validates its arguments before anything starts
+        _say(f"error: {exc}")
+        return EXIT_USAGE
+    except (OSError, RuntimeError) as exc:
+        # the store's port is taken, node 0 cannot be reached, the server failed...
+        _flush_stdout()
+        _say(f"error: {exc}")
+        return 1
+    _flush_stdout()
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of `python -m mplaunch` and of the `mplaunch` command."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # launch() forwards these signals to the ranks while they run; outside that window
+    # (importing torch, starting the server, between restarts) they must still end the
+    # command with 128 + signo. Installed for good: this is the process's entry point
+    # (run() is the same without any signal handling).
+    if threading.current_thread() is threading.main_thread():
+        for signo in _HANDLED_SIGNALS:
+            signal.signal(signo, _on_signal)
+    return run(argv)
