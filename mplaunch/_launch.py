@@ -143,6 +143,9 @@ def launch(
 def _run_attempt(cfg, attempt: int, payload_fd: int, hosted) -> List[Any]:
     from ._nodes import NodeWatch
     specs = _rank_specs(cfg, attempt, hosted.port, hosted.address)
+    from ._monitor import server_preload
+    # A cold server is still importing torch: that time is not the ranks' to lose.
+    _procs.get_server(server_preload(cfg)).wait_ready()
     cfg.started_at = time.monotonic()
     watch = (NodeWatch(hosted.store, attempt, cfg.node_rank, cfg.nnodes)
              if cfg.nnodes > 1 else None)

@@ -303,6 +303,8 @@ class Attempt:
                 r.error = ("err", None, type(exc).__name__,
                            f"the parent could not unpickle rank {r.rank}'s return value: "
                            f"{exc}", None, 1, time.time())
+                if self.teardown_started is None:
+                    self._fail(self._failure_from_error(r, r.error))
             return
         for fd in fds:
             os.close(fd)

@@ -103,6 +103,8 @@ class RankFailure:
             what += f" [attempt {self.attempt}]"
         return f"{who} {what}"
 
+    __str__ = describe
+
     def __repr__(self):
         return f"<RankFailure {self.describe()}>"
 

@@ -1,1 +1,365 @@
-"""pytest plugin (registered through the pytest11 entry point)."""
+"""pytest plugin (registered through the pytest11 entry point): distributed tests.
+
+``@pytest.mark.mplaunch(nprocs=2, timeout=60)`` runs the test function's body in every
+rank, with ``torch.distributed`` initialised (``backend="gloo"`` by default,
+``backend=None`` for none) and destroyed when the body returns (a failed rank just
+exits); any other keyword goes to
+:func:`mplaunch.launch` (``start_method``, ``env``, ``grace_period``, ...). The test
+passes only when every rank passes. Parametrized arguments and fixture values are
+pickled and sent to the ranks, so they must be picklable (``tmp_path`` is;
+``monkeypatch`` and ``capsys`` are not).
+
+Outcomes, decided by the first rank to fail (the others are stopped then, and what
+fails in them afterwards is most often a consequence, a collective that lost a peer):
+
+- a rank raised: the test fails with that rank's exception, with its traceback in the
+  rank and a note naming the rank (and the ranks that failed after it);
+- ``pytest.skip`` / ``pytest.xfail`` / ``pytest.fail`` in a rank: the test is skipped /
+  xfailed / failed, whatever the other ranks were doing;
+- past ``timeout`` seconds: the test fails with :class:`mplaunch.LaunchTimeout`, whose
+  message shows where each rank was waiting; every rank is killed, the session goes on.
+
+Assertions in the ranks are pytest's rewritten ones: the test module is pickled by value
+(its rewritten code, as imported by this session), so a failing ``assert`` shows the
+compared values. ``pytest_assertrepr_compare`` hooks of conftest files do not run in
+the ranks; pytest's own detailed comparisons (lists, dicts, strings) do.
+
+The ``mplaunch`` fixture is :func:`mplaunch.launch` with the test's defaults (``nprocs``
+and ``timeout`` from the marker, else from the ``mplaunch_nprocs`` and
+``mplaunch_timeout`` ini options), for tests that launch their own functions.
+
+Every process (and every pytest-xdist worker) keeps one warm server with torch and
+pytest imported, so a distributed test costs a fork per rank, not an interpreter start.
+"""
+from __future__ import annotations
+
+import functools
+import pickle
+import sys
+
+import cloudpickle
+import pytest
+
+from . import _procs
+from ._launch import launch as _launch
+from .errors import LaunchTimeout, MainProcessError, WorkerError
+
+_MARKER_HELP = (
+    "mplaunch(nprocs=2, timeout=None, backend='gloo', **launch_kwargs): run the test "
+    "body in nprocs ranks with torch.distributed initialised (backend=None: not); the "
+    "other keywords go to mplaunch.launch")
+
+# Ranks unpickle the test with pytest already imported in the warm server: without it
+# every rank of every test would import pytest again.
+_PRELOAD = ("pytest", "mplaunch.pytest_plugin")
+
+
+def pytest_addoption(parser):
+    parser.addini("mplaunch_nprocs", "default number of ranks of an mplaunch test",
+                  default="2")
+    parser.addini("mplaunch_timeout", "default timeout in seconds of an mplaunch test "
+                  "(none: no limit)", default="none")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", _MARKER_HELP)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if config.option.collectonly:
+        return
+    if any(item.get_closest_marker("mplaunch") for item in items):
+        # The server imports torch while the first tests run; get_server does not wait.
+        _procs.get_server(_preload_for(None))
+
+
+def _preload_for(user_preload) -> tuple:
+    if user_preload is None:
+        base = _procs.default_preload()
+    elif isinstance(user_preload, str):
+        base = (user_preload,)
+    else:
+        base = tuple(user_preload)
+    return base + tuple(m for m in _PRELOAD if m not in base)
+
+
+def _ini_defaults(config) -> dict:
+    nprocs = config.getini("mplaunch_nprocs")
+    timeout = str(config.getini("mplaunch_timeout")).strip().lower()
+    try:
+        return {"nprocs": int(nprocs),
+                "timeout": None if timeout in ("", "none") else float(timeout)}
+    except ValueError:
+        raise pytest.UsageError(f"mplaunch_nprocs must be an int and mplaunch_timeout a "
+                                f"number or none, got {nprocs!r} and {timeout!r}") from None
+
+
+def _marker_options(item) -> dict:
+    """The marker's keywords (the closest marker wins), over the ini defaults."""
+    opts = _ini_defaults(item.config)
+    opts["backend"] = "gloo"
+    for marker in reversed(list(item.iter_markers("mplaunch"))):
+        if len(marker.args) > 1:
+            raise TypeError(f"@pytest.mark.mplaunch takes nprocs as its only positional "
+                            f"argument, got {marker.args!r}")
+        if marker.args:
+            opts["nprocs"] = marker.args[0]
+        opts.update(marker.kwargs)
+    opts["preload"] = _preload_for(opts.get("preload"))
+    return opts
+
+
+@pytest.fixture
+def mplaunch(request):
+    """:func:`mplaunch.launch` with this test's ``nprocs`` and ``timeout`` (from its
+    ``mplaunch`` marker, else the ini options) as defaults."""
+    opts = _marker_options(request.node)
+    opts.pop("backend")
+    return functools.partial(_launch, **opts)
+
+
+# -- the parent's side -----------------------------------------------------------------
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    if pyfuncitem.get_closest_marker("mplaunch") is None:
+        return None
+    __tracebackhide__ = True
+    opts = _marker_options(pyfuncitem)
+    backend = opts.pop("backend")
+    func = pyfuncitem.obj
+    kwargs = {name: pyfuncitem.funcargs[name]
+              for name in pyfuncitem._fixtureinfo.argnames}
+    try:
+        blob = _dumps_test(func, kwargs)
+    except TypeError as err:
+        err.__cause__, err.__suppress_context__ = None, True  # the message says it all
+        raise _at_test(err, pyfuncitem) from None
+    if opts.get("start_method") in (None, "forkserver"):
+        # launch's timeout starts before its server is ready; a cold one (torch being
+        # imported) must not eat the first test's timeout.
+        _procs.get_server(opts["preload"]).wait_ready()
+    failure = None
+    try:
+        _launch(_run_in_rank, (blob, backend, _assertion_settings(pyfuncitem.config)),
+                **opts)
+    except MainProcessError as err:
+        if err.signal_name == "SIGINT":
+            raise KeyboardInterrupt from err  # Ctrl-C ends the session, as without us
+        raise
+    except WorkerError as err:
+        failure = err
+    if failure is not None:
+        # Raised outside the except block, so the rank's own exception chain is shown
+        # as it was, not as "during handling of WorkerError".
+        raise _outcome_for(failure, opts["nprocs"], pyfuncitem)
+    return True
+
+
+def _dumps_test(func, kwargs) -> bytes:
+    """Pickle the test function by value when its module is a test module: that ships
+    the assertion-rewritten code this session imported, where a fresh import in the rank
+    would not be rewritten (and may not be importable at all)."""
+    module = sys.modules.get(getattr(func, "__module__", None) or "")
+    register = (module is not None
+                and module.__name__ not in cloudpickle.list_registry_pickle_by_value()
+                and module.__name__ not in ("__main__", "builtins"))
+    if register:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        try:
+            return cloudpickle.dumps((func, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - name the culprit below
+            for name, value in kwargs.items():
+                try:
+                    cloudpickle.dumps(value)
+                except Exception as inner:  # noqa: BLE001
+                    raise TypeError(
+                        f"mplaunch cannot send argument {name!r} ({type(value).__name__}) "
+                        f"to the ranks: {type(inner).__name__}: {inner}. Fixture values "
+                        "and parameters of an mplaunch test must be picklable; create "
+                        "the object inside the test instead.") from inner
+            raise TypeError(f"mplaunch cannot send the test function to the ranks: "
+                            f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        if register:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def _assertion_settings(config) -> dict:
+    """What the ranks need to explain a failed comparison as this session would."""
+    settings = {"verbose": config.getoption("verbose", 0) or 0,
+                "assertmode": config.getoption("assertmode", "rewrite"), "ini": {}}
+    try:
+        from _pytest.config import Config
+        settings["verbose_assertions"] = config.get_verbosity(Config.VERBOSITY_ASSERTIONS)
+    except Exception:  # noqa: BLE001 - older pytest: the general verbosity applies
+        settings["verbose_assertions"] = settings["verbose"]
+    for name in ("truncation_limit_lines", "truncation_limit_chars",
+                 "assertion_text_diff_style"):
+        try:
+            settings["ini"][name] = config.getini(name)
+        except (ValueError, KeyError):
+            pass
+    return settings
+
+
+_OUTCOMES = {"skip": pytest.skip.Exception, "xfail": pytest.xfail.Exception,
+             "fail": pytest.fail.Exception}
+
+
+def _outcome_for(err: WorkerError, nprocs: int, item) -> BaseException:
+    """What the test raises for a failed launch: the first failing rank's own exception
+    (or its pytest outcome), noted with the rank. The first decides because the other
+    failures are usually its consequences: peers whose collective broke when it left."""
+    if isinstance(err, LaunchTimeout):
+        return _at_test(err, item)
+    first = err.failures[0]
+    cause = err.__cause__
+    if cause is None:
+        return _at_test(err, item)  # a crash, a signal: the message says it all
+    where = f"rank {first.rank} of {nprocs}"
+    if first.pid is not None:
+        where += f" (pid {first.pid})"
+    others = [f.describe() for f in err.failures[1:]]
+    note = f"[mplaunch] raised in {where}"
+    if others:
+        note += "; then: " + "; ".join(others[:4]) + (" ..." if len(others) > 4 else "")
+    if isinstance(cause, _RankOutcome):
+        msg = cause.msg
+        if cause.kind == "fail" and not cause.pytrace:
+            msg = f"{msg}\n{note}"  # pytest shows nothing but the message
+        exc = _OUTCOMES[cause.kind](msg, pytrace=cause.pytrace)
+        exc.__traceback__ = cause.__traceback__
+        cause = exc
+    if not isinstance(cause, (pytest.skip.Exception, pytest.xfail.Exception)):
+        _add_note(cause, note)
+    return cause
+
+
+def _at_test(err: BaseException, item) -> BaseException:
+    """`err` with a one-frame traceback at the test's definition. Its real traceback is
+    mplaunch's monitor loop, which says nothing about the test; with no frame at all
+    pytest would only say that every traceback entry is hidden."""
+    path, lineno = item.reportinfo()[:2]
+    code = compile("raise __mplaunch_error", "<mplaunch>", "exec")
+    code = code.replace(co_filename=str(path), co_firstlineno=(lineno or 0) + 1,
+                        co_name=getattr(item.obj, "__name__", item.name))
+    try:
+        exec(code, {"__mplaunch_error": err.with_traceback(None)})
+    except type(err) as raised:
+        return raised.with_traceback(raised.__traceback__.tb_next)
+    return err
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    elif len(exc.args) == 1 and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{note}",)
+
+
+# -- the rank's side -------------------------------------------------------------------
+
+class _RankOutcome(Exception):
+    """pytest.skip/xfail/fail in a rank, in a form that pickles: pytest's own outcome
+    classes claim to live in ``builtins`` (for shorter messages), so pickle cannot find
+    them by reference and a copy of the class would not be pytest's."""
+
+    def __init__(self, kind: str, msg, pytrace: bool = True):
+        super().__init__(kind, msg, pytrace)
+        self.kind, self.msg, self.pytrace = kind, msg, pytrace
+
+    def __str__(self):
+        return f"{self.kind}: {self.msg}"
+
+
+def _run_in_rank(blob: bytes, backend, assertion_settings: dict):
+    __tracebackhide__ = True
+    _install_reprcompare(assertion_settings)
+    func, kwargs = pickle.loads(blob)
+    dist = None
+    if backend:
+        import torch.distributed as dist
+        dist.init_process_group(backend)
+    try:
+        func(**kwargs)
+    except (pytest.skip.Exception, pytest.fail.Exception) as exc:
+        kind = ("skip" if isinstance(exc, pytest.skip.Exception) else
+                "xfail" if isinstance(exc, pytest.xfail.Exception) else "fail")
+        raise _RankOutcome(kind, exc.msg, exc.pytrace).with_traceback(
+            _without_hidden_tail(exc.__traceback__)) from None
+    # Only on success: destroying the group on a failure would make the peers' pending
+    # collectives fail before this rank's own error is reported, and the first failure
+    # decides the outcome. A failed rank exits at once, and its peers are stopped.
+    if dist is not None and dist.is_initialized():
+        if "gloo" in str(backend):
+            # A rank that destroys its group and exits right after init can break a
+            # gloo peer whose connect has not finished yet ("Connection closed by
+            # peer", about 1 in 100 empty tests here): leave together.
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def _without_hidden_tail(tb):
+    """Cut pytest.skip's own frames off the end: their __tracebackhide__ does not travel
+    to the parent, which would then report the skip at _pytest/outcomes.py."""
+    keep, t = None, tb
+    while t is not None:
+        if not t.tb_frame.f_locals.get("__tracebackhide__"):
+            keep = t
+        t = t.tb_next
+    if keep is not None:
+        keep.tb_next = None
+    return tb
+
+
+class _RankConfig:
+    """Answers the few questions pytest's comparison explanation asks of its config,
+    with the parent session's answers; there is no session in a rank."""
+
+    def __init__(self, settings):
+        self._s = settings
+        self.pluginmanager = self  # has_plugin("terminalreporter") -> plain text
+
+    def has_plugin(self, name):
+        return False
+
+    def get_verbosity(self, verbosity_type=None):
+        return self._s["verbose_assertions" if verbosity_type else "verbose"]
+
+    def getoption(self, name, default=None, skip=False):
+        return self._s.get(name, default) if name in ("verbose", "assertmode") else default
+
+    getvalue = getoption
+
+    def getini(self, name):
+        if name not in self._s["ini"]:
+            raise ValueError(f"unknown ini option {name!r}")
+        return self._s["ini"][name]
+
+
+def _install_reprcompare(settings: dict) -> None:
+    """Give rewritten asserts in this rank pytest's detailed comparisons (list, dict and
+    string diffs). Best effort: if this pytest's internals differ, the plain rewritten
+    explanation ("assert 1 == 2", "where 1 = f()") still arrives."""
+    try:
+        from _pytest import assertion
+        from _pytest.assertion import util
+    except ImportError:
+        return
+    config = _RankConfig(settings)
+
+    def reprcompare(op, left, right):
+        try:
+            lines = assertion.pytest_assertrepr_compare(config=config, op=op, left=left,
+                                                        right=right)
+        except Exception:  # noqa: BLE001
+            return None
+        if not lines:
+            return None
+        res = "\n~".join(line.replace("\n", "\\n") for line in lines)
+        return res.replace("%", "%%") if settings["assertmode"] == "rewrite" else res
+
+    util._reprcompare = reprcompare
+    util._config = config

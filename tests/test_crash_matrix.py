@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import psutil
@@ -44,8 +44,8 @@ class RefusesPickleError(Exception):
 
 
 class TwoArgError(Exception):
-    """Pickles fine, but does not unpickle: BaseException.__reduce__ replays args, which
-    hold one value where __init__ wants two."""
+    """Plain pickle cannot rebuild it: BaseException.__reduce__ replays args, which hold
+    one value where __init__ wants two."""
 
     def __init__(self, a, b):
         super().__init__(f"{a} and {b}")
@@ -60,6 +60,22 @@ def _chained(tmp):
         {}["missing"]
     except KeyError:
         raise ValueError("boom") from OSError("root cause")
+
+
+def _unpicklable_cause(tmp):
+    try:
+        raise LockedError("inner, with a lock")
+    except LockedError as exc:
+        raise ValueError("outer") from exc
+
+
+def _class_only_in_rank(tmp):
+    # A module the launching process has never seen and cannot import.
+    with open(os.path.join(tmp, "rank_only_errors.py"), "w") as f:
+        f.write("class RankOnlyError(Exception):\n    pass\n")
+    sys.path.insert(0, tmp)
+    import rank_only_errors
+    raise rank_only_errors.RankOnlyError("from a module only the rank has")
 
 
 def _segfault(tmp):
@@ -91,13 +107,16 @@ def _outcome_fail(tmp):
 ACTIONS: dict = {
     "chained": _chained,
     "sys_exit": lambda tmp: sys.exit(3),
+    "sys_exit_message": lambda tmp: sys.exit("giving up"),
     "os_exit": lambda tmp: os._exit(7),
     "segfault": _segfault,
     "sigkill": lambda tmp: os.kill(os.getpid(), signal.SIGKILL),
     "abort": lambda tmp: os.abort(),
     "unpicklable_lock": lambda tmp: _raise(LockedError("held a lock")),
     "unpicklable_reduce": lambda tmp: _raise(RefusesPickleError("no")),
-    "ununpicklable": lambda tmp: _raise(TwoArgError("x", "y")),
+    "mismatched_init": lambda tmp: _raise(TwoArgError("x", "y")),
+    "unpicklable_cause": _unpicklable_cause,
+    "class_only_in_rank": _class_only_in_rank,
     "bad_return": lambda tmp: threading.Lock(),
     "keyboard_interrupt": lambda tmp: _raise(KeyboardInterrupt()),
     "pytest_skip": _outcome_skip,
@@ -124,11 +143,14 @@ def _read(tmp, name) -> Optional[int]:
         return None
 
 
-def crash(tmp, action, survivor_ignores_sigterm=False):
+def crash(tmp, action, survivor=None):
     rank = int(os.environ["RANK"])
     if rank == 0:
-        if survivor_ignores_sigterm:
+        if survivor == "ignores_sigterm":
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        elif survivor == "notes_sigterm":
+            # Says it was asked to stop, then goes on sleeping: only SIGKILL ends it.
+            signal.signal(signal.SIGTERM, lambda *_: _write(tmp, "sigterm0", os.getpid()))
         _write(tmp, "pid0", os.getpid())
         # Longer than pytest's own timeout: if teardown did not kill it, the test fails.
         time.sleep(600)
@@ -150,10 +172,13 @@ class Case:
     cause: Optional[type] = None            # type of err.__cause__, None for no cause
     exc_type: Optional[str] = None          # RankFailure.exc_type
     in_message: tuple = ()                  # substrings of str(err)
-    in_traceback: tuple = ()                # substrings of err.traceback (None if empty)
+    in_traceback: tuple = ()                # substrings of err.traceback
     check: Optional[Callable] = None        # extra checks: check(err, tmp)
-    survivor_ignores_sigterm: bool = False
-    extra: dict = field(default_factory=dict)
+    survivor: Optional[str] = None          # how rank 0 treats SIGTERM (None: dies)
+
+
+def _assert_equal(a, b):
+    assert a == b
 
 
 def _worker_frames(exc):
@@ -171,7 +196,11 @@ def check_chained(err, tmp):
     assert "_chained" in frames and "crash" in frames, frames
     assert "run_rank" not in frames and "_run_and_report" not in frames, frames
     assert err.traceback.rstrip().endswith("ValueError: boom")
-    assert "root cause" in err.traceback and "KeyError" in err.traceback
+    # Rendered here, the rebuilt chain reads exactly as the worker printed it: same
+    # frames, lines, and underlined expressions.
+    assert "".join(traceback.format_exception(cause)) == err.traceback
+    # Python's own rendering: the cause is shown, the suppressed context is not.
+    assert "OSError: root cause" in err.traceback and "KeyError" not in err.traceback
 
 
 def check_sys_exit(err, tmp):
@@ -205,6 +234,25 @@ def check_remote(type_suffix, message):
     return check
 
 
+def check_mismatched_init(err, tmp):
+    cause = err.__cause__
+    assert cause.args == ("x and y",) and str(cause) == "x and y"
+    assert "crash" in _worker_frames(cause)
+
+
+def check_unpicklable_cause(err, tmp):
+    # The part that pickles arrives as itself; only the lock-holding link is a stand-in,
+    # and it keeps the worker's frames.
+    outer = err.__cause__
+    assert str(outer) == "outer"
+    inner = outer.__cause__
+    assert type(inner) is mplaunch.RemoteException
+    assert inner.type_name == "test_crash_matrix.LockedError"
+    assert inner.message == "inner, with a lock"
+    assert "_unpicklable_cause" in _worker_frames(inner)
+    assert "_unpicklable_cause" in _worker_frames(outer)
+
+
 def check_bad_return(err, tmp):
     cause = err.__cause__
     assert "lock" in str(cause) and "could not be pickled" in str(cause), str(cause)
@@ -214,6 +262,11 @@ def check_bad_return(err, tmp):
 def check_exit_zero(err, tmp):
     assert err.__cause__ is None
     assert "without returning" in err.first.message
+
+
+def check_sigterm_first(err, tmp):
+    # Teardown asks first (SIGTERM, which rank 0 noted and ignored), then kills.
+    assert _read(tmp, "sigterm0") == _read(tmp, "pid0")
 
 
 def check_grandchild(err, tmp):
@@ -229,6 +282,10 @@ CASES = {
         in_traceback=("_chained", "raise ValueError"), check=check_chained),
     "sys_exit_3": Case(
         "sys_exit", 3, cause=SystemExit, exc_type="SystemExit", check=check_sys_exit),
+    "sys_exit_message": Case(
+        "sys_exit_message", 1, cause=SystemExit, exc_type="SystemExit",
+        in_message=("raised SystemExit: giving up",),
+        check=lambda err, tmp: _assert_equal(err.__cause__.code, "giving up")),
     "os_exit_7": Case("os_exit", 7, in_message=("exited with code 7",)),
     "sigsegv": Case("segfault", -11, signal="SIGSEGV",
                     in_message=("killed by SIGSEGV",), check=check_crash_dump("_segfault")),
@@ -243,10 +300,16 @@ CASES = {
         "unpicklable_reduce", 1, cause=mplaunch.RemoteException,
         exc_type="test_crash_matrix.RefusesPickleError",
         check=check_remote("RefusesPickleError", "no")),
-    "exception_that_does_not_unpickle": Case(
-        "ununpicklable", 1, cause=mplaunch.RemoteException,
-        exc_type="test_crash_matrix.TwoArgError",
-        check=check_remote("TwoArgError", "x and y")),
+    "exception_with_mismatched_init": Case(
+        "mismatched_init", 1, cause=TwoArgError, exc_type="test_crash_matrix.TwoArgError",
+        in_message=("TwoArgError: x and y",), check=check_mismatched_init),
+    "unpicklable_cause": Case(
+        "unpicklable_cause", 1, cause=ValueError, exc_type="ValueError",
+        in_traceback=("LockedError: inner, with a lock",), check=check_unpicklable_cause),
+    "exception_class_only_in_rank": Case(
+        "class_only_in_rank", 1, cause=mplaunch.RemoteException,
+        exc_type="rank_only_errors.RankOnlyError",
+        check=check_remote("RankOnlyError", "from a module only the rank has")),
     "unpicklable_return_value": Case(
         "bad_return", 1, cause=TypeError, exc_type="TypeError",
         in_message=("could not be pickled",), check=check_bad_return),
@@ -255,10 +318,10 @@ CASES = {
         in_traceback=("KeyboardInterrupt",)),
     "pytest_skip": Case(
         "pytest_skip", 1, cause=pytest.skip.Exception,
-        exc_type="_pytest.outcomes.Skipped", in_message=("skipped inside a rank",)),
+        exc_type="Skipped", in_message=("skipped inside a rank",)),
     "pytest_fail": Case(
         "pytest_fail", 1, cause=pytest.fail.Exception,
-        exc_type="_pytest.outcomes.Failed", in_message=("failed inside a rank",)),
+        exc_type="Failed", in_message=("failed inside a rank",)),
     "exit_zero_without_result": Case(
         "exit_zero", 0, in_message=("without returning",), check=check_exit_zero),
     "grandchild_popen": Case(
@@ -272,7 +335,10 @@ CASES = {
         check=check_grandchild),
     "survivor_ignores_sigterm": Case(
         "chained", 1, cause=ValueError, exc_type="ValueError", check=check_chained,
-        survivor_ignores_sigterm=True),
+        survivor="ignores_sigterm"),
+    "survivor_catches_sigterm": Case(
+        "os_exit", 7, in_message=("exited with code 7",), check=check_sigterm_first,
+        survivor="notes_sigterm"),
 }
 
 
@@ -298,7 +364,7 @@ def test_crash(name, method, tmp_path):
     case = CASES[name]
     tmp = str(tmp_path)
     with pytest.raises(mplaunch.WorkerError) as info:
-        mplaunch.launch(crash, (tmp, case.action, case.survivor_ignores_sigterm), 2,
+        mplaunch.launch(crash, (tmp, case.action, case.survivor), 2,
                         start_method=method, grace_period=GRACE)
     err = info.value
     assert type(err) is mplaunch.WorkerError  # not a timeout, not a MainProcessError
@@ -349,3 +415,28 @@ def test_cause_traceback_is_the_workers(tmp_path):
     assert last.name == "_chained"
     assert last.filename == __file__
     assert "raise ValueError" in last.line
+
+
+def _return_rank_only_object(tmp):
+    with open(os.path.join(tmp, "rank_only_results.py"), "w") as f:
+        f.write("class Result:\n    pass\n")
+    sys.path.insert(0, tmp)
+    import rank_only_results
+    return rank_only_results.Result()
+
+
+def return_what_the_parent_cannot_load(tmp):
+    if os.environ["RANK"] == "0":
+        return 0
+    return _return_rank_only_object(tmp)
+
+
+def test_return_value_the_parent_cannot_unpickle(tmp_path):
+    with pytest.raises(mplaunch.WorkerError) as info:
+        mplaunch.launch(return_what_the_parent_cannot_load, (str(tmp_path),), 2,
+                        grace_period=GRACE)
+    err = info.value
+    assert type(err) is mplaunch.WorkerError
+    assert err.rank == 1 and isinstance(err.pid, int)
+    assert "could not unpickle rank 1's return value" in str(err)
+    assert "rank_only_results" in str(err)

@@ -82,6 +82,7 @@ def env_rendezvous_port():
     import torch.distributed as dist
     dist.init_process_group("gloo")
     port = os.environ["MASTER_PORT"]
+    dist.barrier()  # gloo: leaving right after init can break a peer's pending connect
     dist.destroy_process_group()
     return port
 

@@ -1,0 +1,226 @@
+"""Bad input is refused before any rank starts, with a message that says what to do."""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import socket
+import threading
+
+import psutil
+import pytest
+
+import mplaunch
+from mplaunch import _monitor, _procs
+
+
+def ok(*args, **kwargs):
+    return "ran"
+
+
+def _trip(path):
+    # Runs only where the argument is unpickled: in a rank.
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+    return path
+
+
+class Tripwire:
+    """An argument that leaves a file behind if any rank ever unpickles it."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (_trip, (self.path,))
+
+
+@pytest.fixture
+def refuses(monkeypatch, tmp_path):
+    """refuses(exc_type, match, **launch_kwargs): launch() raises exc_type (message
+    matching `match`) and no rank was started, nor any process but a warm server."""
+
+    def started(self, *a, **kw):
+        raise AssertionError("launch() went as far as starting ranks")
+
+    # Before Attempt makes its selector and pipes, so the guard leaks nothing itself.
+    monkeypatch.setattr(_monitor.Attempt, "__init__", started)
+    monkeypatch.setattr(_procs, "fork_rank", started)
+    wire = str(tmp_path / "rank-was-here")
+
+    def check(exc_type, match, func=ok, args=None, **kwargs):
+        if args is None:
+            args = (Tripwire(wire),)
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        with pytest.raises(exc_type, match=match) as info:
+            mplaunch.launch(func, args, **kwargs)
+        servers = set(_procs.server_pids())
+        new = [p for p in psutil.Process().children(recursive=True)
+               if p.pid not in before and p.pid not in servers]
+        assert not new, f"processes started: {new}"
+        assert not os.path.exists(wire), "a rank unpickled the arguments"
+        return info.value
+
+    return check
+
+
+# -- nprocs, func, args, kwargs ----------------------------------------------------------
+
+@pytest.mark.parametrize("nprocs", [0, -1, 1.5, True, "2", None])
+def test_nprocs(refuses, nprocs):
+    err = refuses((TypeError, ValueError), "nprocs must be a positive int", nprocs=nprocs)
+    assert repr(nprocs) in str(err)
+
+
+@pytest.mark.parametrize("func", [None, 42, "ok", ok(1)])
+def test_func_not_callable(refuses, func):
+    refuses(TypeError, "func must be callable.*pass the function itself", func=func)
+
+
+@pytest.mark.parametrize("args", ["ab", b"ab", 5, {"a": 1}, {1, 2}])
+def test_args_not_a_sequence(refuses, args):
+    err = refuses(TypeError, r"args must be a tuple or list", args=args)
+    assert "args=(x,)" in str(err)
+
+
+def test_list_args_are_fine_up_to_the_rank(refuses):
+    """The guard itself: valid input gets as far as starting ranks, and the fixture
+    notices. Without this, every test here could pass for the wrong reason."""
+    with pytest.raises(AssertionError, match="starting ranks"):
+        refuses(ValueError, "never", args=[1, 2])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ([("a", 1)], "kwargs must be a dict"),
+    ({1: "x"}, "kwargs keys must be strings"),
+])
+def test_kwargs(refuses, kwargs, match):
+    refuses(TypeError, match, kwargs=kwargs)
+
+
+# -- start method ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["Spawn", "threads", "", 3])
+def test_unknown_start_method(refuses, method):
+    err = refuses(ValueError, "unknown start_method", start_method=method)
+    for known in ("'forkserver'", "'spawn'", "'fork'"):
+        assert known in str(err)
+
+
+def test_fork_refused_once_cuda_is_initialised(refuses, monkeypatch):
+    monkeypatch.setattr(_procs, "cuda_initialized", lambda: True)
+    err = refuses(RuntimeError, "start_method='fork' is refused: CUDA",
+                  start_method="fork")
+    assert "forkserver" in str(err) and "spawn" in str(err)
+    # Only fork is refused: the other methods do not inherit this process's CUDA state.
+    with pytest.raises(AssertionError, match="starting ranks"):
+        refuses(RuntimeError, "never", start_method="spawn")
+
+
+# -- env ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("env,match", [
+    ({"A": 1}, r"'A': 1 is not str -> str.*str\(1\)"),
+    ({"A": None}, r"'A': None is not str -> str"),
+    ({1: "x"}, r"1: 'x' is not str -> str"),
+    (lambda rank: {"A": rank}, r"env for rank 0: 'A': 0 is not str"),
+    (lambda rank: {"A": "x"} if rank == 0 else {"B": 2.5}, r"env for rank 1: 'B': 2.5"),
+    (lambda rank: ["A=x"], r"callable rank -> dict; for rank 0 it gave a list"),
+    ("A=1", r"env must be a dict of str to str, or a callable"),
+    ([("A", "1")], r"env must be a dict of str to str, or a callable"),
+])
+def test_env_values_must_be_strings(refuses, env, match):
+    refuses(TypeError, match, env=env, nprocs=2)
+
+
+@pytest.mark.parametrize("key", ["A=B", "", "A\0"])
+def test_env_names_must_be_valid(refuses, key):
+    refuses(ValueError, "is not a valid variable name", env={key: "1"})
+
+
+# -- numbers -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("port", [0, -1, 65536, 1.5, "29500", True])
+def test_master_port_range(refuses, port):
+    err = refuses(ValueError, r"master_port must be an int in 1-65535 \(or None",
+                  master_port=port)
+    assert repr(port) in str(err)
+
+
+@pytest.mark.parametrize("value", [-1, -0.5, float("nan"), "1", True])
+def test_grace_period(refuses, value):
+    refuses(ValueError, "grace_period must be a number of seconds >= 0",
+            grace_period=value)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -1, float("nan"), "10"])
+def test_timeout(refuses, value):
+    refuses(ValueError, r"timeout must be a number of seconds .*None for no limit",
+            timeout=value)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(max_restarts=-1), "max_restarts must be an int >= 0"),
+    (dict(max_restarts=1.0), "max_restarts must be an int >= 0"),
+    (dict(nnodes=0), "nnodes must be an int >= 1"),
+    (dict(nnodes=2, node_rank=2, master_port=29500), r"node_rank must be an int in \[0, nnodes=2\)"),
+    (dict(nnodes=2, node_rank=0), "every node must be given the same master_addr and master_port"),
+    (dict(master_addr=""), "master_addr must be a host name or address"),
+    (dict(prefix="{rnk}"), r"not a valid template.*\{rank\}"),
+])
+def test_other_values(refuses, kw, match):
+    refuses(ValueError, match, **kw)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(prefix=5), "prefix must be a str template or None"),
+    (dict(preload=[1]), r"preload must be a list of module names"),
+    (dict(ranks_filter=["0"]), "ranks_filter must be a collection of local rank numbers"),
+])
+def test_other_types(refuses, kw, match):
+    refuses(TypeError, match, **kw)
+
+
+# -- pickling ----------------------------------------------------------------------------
+
+def test_unpicklable_argument_is_named(refuses):
+    err = refuses(TypeError, r"could not pickle args\[1\] \(a lock\)",
+                  args=(1, threading.Lock(), 3))
+    assert "pass things that can be pickled" in str(err)
+    assert isinstance(err.__cause__, TypeError)
+
+
+def test_unpicklable_keyword_argument_is_named(refuses):
+    refuses(TypeError, r"could not pickle kwargs\['lock'\] \(a lock\)",
+            kwargs={"fine": 1, "lock": threading.Lock()})
+
+
+def test_unpicklable_function_is_named(refuses):
+    lock = threading.Lock()
+
+    def uses_a_lock():
+        with lock:
+            return 1
+
+    refuses(TypeError, r"could not pickle the function .*uses_a_lock", func=uses_a_lock)
+
+
+def test_unpicklable_generator_argument(refuses):
+    refuses(TypeError, r"could not pickle args\[0\] \(a generator\)",
+            args=((i for i in range(3)),))
+
+
+# -- the rendezvous port -----------------------------------------------------------------
+
+def test_master_port_in_use(refuses):
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = refuses(OSError, re.escape(f"master_port {port} on 127.0.0.1 is already in use"),
+                      master_port=port)
+        assert err.errno == errno.EADDRINUSE
+        assert "master_port=None" in str(err)
+    finally:
+        taken.close()
