@@ -261,6 +261,7 @@ def _helper_pids():
     procs = sys.modules.get("mplaunch._procs")
     if procs is not None:
         pids.update(procs.server_pids())
+        pids.update(procs.idle_pool_pids())
     return pids
 
 
@@ -321,8 +322,11 @@ class _RunGuard:
         self._timer.cancel()
         left = self._new_procs()
         if left:
-            # Give exiting processes a moment before calling it a leak.
+            # Give exiting processes a moment before calling it a leak, and ask again
+            # which are helpers: one may have been started while we were looking.
             _, left = psutil.wait_procs(left, timeout=2)
+            helpers = _helper_pids()
+            left = [p for p in left if p.pid not in helpers]
         if left:
             self.leaked = len(left)
             _kill(left)

@@ -165,6 +165,17 @@ def server_pids() -> list:
         return [s.pid for s in _servers.values() if s.alive()]
 
 
+def idle_pool_pids() -> list:
+    """Pids of the servers' idle pre-forked children: a server's children still in its
+    own process group (a child that becomes a rank leads a group of its own)."""
+    out = []
+    for server in server_pids():
+        for pid in _sys.children_of(server):
+            if _sys.pgid_of(pid) == server:
+                out.append(pid)
+    return out
+
+
 def shutdown_servers() -> None:
     """Stop every warm server this process started, and wait for each."""
     with _lock:

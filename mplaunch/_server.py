@@ -28,9 +28,13 @@ from . import _sys
 from ._channel import recv_obj, send_obj
 
 
+POOL_MAX = 16  # idle pre-forked children kept at most
+
+
 class _Launch:
     def __init__(self, sock):
         self.sock = sock
+        self.started = 0
         self.ranks: set = set()     # pids of ranks we forked for this launch
         self.watched: set = set()   # pids of ranks the parent forked itself (fork mode)
 
@@ -40,6 +44,12 @@ class Server:
         self.lifeline = lifeline
         self.sel = selectors.DefaultSelector()
         self.launches: dict = {}     # fileno -> _Launch
+        # Pre-forked, idle children ("zygotes"): a launch hands a rank's spec to one of
+        # them, so neither the fork nor the child's first copy-on-write faults are on
+        # the launch's critical path. Refilled while the server is otherwise idle.
+        self.pool: list = []         # [(pid, socket)]
+        self.pool_target = 0
+        self.zygotes: set = set()
         self.rank_owner: dict = {}   # pid -> _Launch (None once its launch closed)
         self.pid = os.getpid()
         self._wake_r, self._wake_w = os.pipe()
@@ -53,8 +63,14 @@ class Server:
         self.sel.register(self.lifeline, selectors.EVENT_READ, self._on_lifeline)
         self.sel.register(self._wake_r, selectors.EVENT_READ, self._on_sigchld)
         while True:
-            for key, _ in self.sel.select():
+            # Only between launches: a fork (and the new child's first faults) takes
+            # time and a core from ranks that are running.
+            refill = len(self.pool) < self.pool_target and not self.rank_owner
+            events = self.sel.select(0 if refill else None)
+            for key, _ in events:
                 key.data(key.fileobj)
+            if refill and not events:
+                self._fork_zygote()
 
     def _on_lifeline(self, sock) -> None:
         try:
@@ -113,6 +129,19 @@ class Server:
     def _start(self, launch, token, spec, fds) -> None:
         names = ("payload", "result", "stdout", "stderr", "stack")
         fdmap = dict(zip(names, fds))
+        launch.started += 1
+        self.pool_target = max(self.pool_target, min(launch.started, POOL_MAX))
+        if not spec.get("exec"):
+            while self.pool:
+                pid, zsock = self.pool.pop()
+                try:
+                    send_obj(zsock, ("run", spec), fds)
+                except OSError:
+                    continue  # that zygote died; try the next
+                finally:
+                    zsock.close()
+                self._became_rank(launch, token, pid, fds)
+                return
         try:
             pid = os.fork()
         except OSError as exc:
@@ -122,6 +151,10 @@ class Server:
             return
         if pid == 0:
             self._in_child(spec, fdmap)
+        self._became_rank(launch, token, pid, fds)
+
+    def _became_rank(self, launch, token, pid, fds) -> None:
+        self.zygotes.discard(pid)
         try:
             os.setpgid(pid, pid)
         except OSError:
@@ -132,19 +165,58 @@ class Server:
         self.rank_owner[pid] = launch
         self._reply(launch, ("started", token, pid))
 
+    def _fork_zygote(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            pid = os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            self.pool_target = len(self.pool)  # out of processes: stop trying
+            return
+        if pid == 0:
+            ours.close()
+            self._zygote(theirs)
+        theirs.close()
+        self.pool.append((pid, ours))
+        self.zygotes.add(pid)
+
+    def _close_server_fds(self, keep=()) -> None:
+        for fd in [self.lifeline.fileno(), self._wake_r, self._wake_w,
+                   *(l.sock.fileno() for l in self.launches.values()),
+                   *(z.fileno() for _, z in self.pool)]:
+            if fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def _zygote(self, sock) -> None:
+        """An idle pre-forked child: wait for a rank to become, or for EOF."""
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            self._close_server_fds(keep={sock.fileno()})
+            _sys.set_pdeathsig(signal.SIGKILL)
+            if os.getppid() != self.pid:
+                os._exit(0)
+            from ._worker import run_rank
+            msg, fds = recv_obj(sock, maxfds=8)
+            if msg is None:
+                os._exit(0)
+            sock.close()
+            names = ("payload", "result", "stdout", "stderr", "stack")
+            run_rank(msg[1], dict(zip(names, fds)), self.pid)
+        except BaseException:  # noqa: BLE001
+            traceback.print_exc()
+        os._exit(1)
+
     def _in_child(self, spec, fdmap) -> None:
         """In the freshly forked child: drop the server's state, then become the rank."""
         try:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            keep = set(fdmap.values())
-            for fd in [self.lifeline.fileno(), self._wake_r, self._wake_w,
-                       *(l.sock.fileno() for l in self.launches.values())]:
-                if fd not in keep:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
+            self._close_server_fds(keep=set(fdmap.values()))
             if spec.get("exec"):
                 self._exec_rank(spec, fdmap)
             from ._worker import run_rank
@@ -191,6 +263,10 @@ class Server:
                 _, status = os.waitpid(pid, 0)
             except ChildProcessError:
                 continue
+            if pid in self.zygotes:
+                self.zygotes.discard(pid)
+                self.pool = [(p, z) for p, z in self.pool if p != pid or z.close()]
+                continue
             launch = self.rank_owner.pop(pid, None)
             if launch is not None:
                 launch.ranks.discard(pid)
@@ -203,7 +279,7 @@ class Server:
         live = set(self.rank_owner)
         victims = []
         for pid in _sys.children_of(self.pid):
-            if pid in live or _sys.pgid_of(pid) in live:
+            if pid in live or pid in self.zygotes or _sys.pgid_of(pid) in live:
                 continue
             victims.append(pid)
             victims.extend(_sys.descendants_of(pid))
@@ -255,6 +331,12 @@ def main() -> None:
             importlib.import_module(name)
         except BaseException as exc:  # noqa: BLE001 - reported, not fatal
             failed[name] = f"{type(exc).__name__}: {exc}"
+    import gc
+    # Everything imported so far (torch: hundreds of thousands of objects) moves to the
+    # permanent generation: a collection in a rank would otherwise write to every
+    # object's header and copy most of the server's heap, page by page, into the rank.
+    gc.collect()
+    gc.freeze()
     import threading
     # The threads alive now are inherited (as dead copies) by every forked rank; the
     # launching side refuses to fork from a server that has any.

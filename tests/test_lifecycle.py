@@ -126,7 +126,20 @@ def _sems():
 
 
 def _descendants():
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    # A server's idle pre-forked children are replaced as launches use them: they are
+    # part of the server, not something a launch left behind.
+    pool = set(_procs.idle_pool_pids())
+    return {p.pid for p in psutil.Process().children(recursive=True)} - pool
+
+
+def _fd_kinds(pid):
+    """How many fds of each kind a process holds ('socket', 'pipe', a path...): the
+    sockets to a server's idle children are new ones after each refill."""
+    kinds = {}
+    for _, target in _fd_targets(pid):
+        kind = target.split(":[")[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
 
 
 def _state():
@@ -135,7 +148,7 @@ def _state():
         "fds": _fd_targets(), "threads": _threads(), "sems": _sems(),
         "descendants": _descendants(), "servers": servers,
         # A server lives across launches, so a leak there grows without bound too.
-        "server_fds": {pid: _fd_targets(pid) for pid in servers},
+        "server_fds": {pid: _fd_kinds(pid) for pid in servers},
         "server_threads": {pid: len(os.listdir(f"/proc/{pid}/task")) for pid in servers},
     }
 

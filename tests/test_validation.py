@@ -54,7 +54,7 @@ def refuses(monkeypatch, tmp_path):
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         with pytest.raises(exc_type, match=match) as info:
             mplaunch.launch(func, args, **kwargs)
-        servers = set(_procs.server_pids())
+        servers = set(_procs.server_pids()) | set(_procs.idle_pool_pids())
         new = [p for p in psutil.Process().children(recursive=True)
                if p.pid not in before and p.pid not in servers]
         assert not new, f"processes started: {new}"
