@@ -15,6 +15,9 @@ import socket
 import struct
 
 _HEADER = struct.Struct("!QQ")
+
+# The fds a rank is started with, in the order they travel with a start request.
+RANK_FDS = ("payload", "result", "stdout", "stderr", "stack")
 _MAX_FDS = 250  # below SCM_MAX_FD
 
 

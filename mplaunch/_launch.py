@@ -165,18 +165,11 @@ def _error_for(cfg, att: Attempt) -> WorkerError:
         if att.remote_report is not None and att.remote_report[0]:
             failures, error_msg = att.remote_report
         else:
-            from .errors import RankFailure
-            failures = [RankFailure(att.specs[0]["global_rank"], None, None, None,
-                                    message=f"was torn down because node "
-                                            f"{att.remote_node} failed",
-                                    attempt=att.attempt, timestamp=time.time())]
+            failures = [att.node_failure(f"was torn down because node {att.remote_node} "
+                                         "failed")]
             error_msg = None
-        err = WorkerError(failures, note=f"[on node {failures[0].node_rank}]"
-                          if cfg.nnodes > 1 else None)
-        cause = att.cause(error_msg)
-        if cause is not None:
-            err.__cause__ = cause
-        return err
+        return _with_cause(WorkerError(failures, note=f"[on node {failures[0].node_rank}]"),
+                           att.cause(error_msg))
     failures = att.final_failures()
     for f in failures:
         if cfg.log_dir is not None:
@@ -193,7 +186,10 @@ def _error_for(cfg, att: Attempt) -> WorkerError:
     else:
         err = WorkerError(failures, note=f"[on node {cfg.node_rank}]"
                           if cfg.nnodes > 1 else None)
-    cause = att.cause(att.first_error())
+    return _with_cause(err, att.cause(att.first_error(failures)))
+
+
+def _with_cause(err: WorkerError, cause) -> WorkerError:
     if cause is not None:
         err.__cause__ = cause
     return err

@@ -11,7 +11,7 @@ import time
 from typing import Dict, List, Optional
 
 from . import _procs, _sys
-from ._channel import FramedReader, recv_obj, send_obj
+from ._channel import RANK_FDS, FramedReader, recv_obj, send_obj
 from ._output import StreamRelay, read_pipe, set_pipe_size, summarize_tail
 from ._serialize import loads_result, unpack_exception
 from ._nodes import POLL_INTERVAL, NodeLost
@@ -78,7 +78,6 @@ class Attempt:
         _procs.own_fd(self.waker.w)
         self.channel: Optional[socket.socket] = None
         self.server = None
-        self.files: list = []
         self.fork_descendants: set = set()
 
     # -- public ----------------------------------------------------------------------
@@ -141,8 +140,7 @@ class Attempt:
         child_fds = [self.payload_fd, res_child.fileno(), out_w, err_w, stack_w]
         try:
             if cfg.start_method == "fork":
-                fdmap = dict(zip(("payload", "result", "stdout", "stderr", "stack"),
-                                 child_fds))
+                fdmap = dict(zip(RANK_FDS, child_fds))
                 pid = _procs.fork_rank(spec, fdmap)
                 send_obj(self.channel, ("watch", pid))
                 self._set_pid(r, pid)
@@ -400,6 +398,15 @@ class Attempt:
                 pass
 
     # -- other nodes -----------------------------------------------------------------
+    def node_failure(self, message: str) -> RankFailure:
+        """A failure of this node as a whole (not of one rank's process), recorded
+        under its first rank."""
+        return RankFailure(self.specs[0]["global_rank"], None, None, None, message=message,
+                           attempt=self.attempt, timestamp=time.time(),
+                           local_rank=self.specs[0]["local_rank"],
+                           node_rank=self.specs[0]["node_rank"],
+                           hostname=self.specs[0]["hostname"])
+
     def _claim(self) -> None:
         try:
             won = self.watch.claim()
@@ -446,16 +453,14 @@ class Attempt:
                     self._idle(POLL_INTERVAL)
             if self.claimed:
                 failures = self.final_failures()
+                error = self.first_error(failures)
                 if not failures and self.signal_received is not None:
                     # Nothing failed here: this node was told to stop. Tell the others
                     # why their ranks are being torn down.
-                    failures = [RankFailure(
-                        self.specs[0]["global_rank"], None, None, None,
-                        message=f"was torn down because node {w.node_rank}'s launcher "
-                                f"received {signal_name(self.signal_received)}",
-                        attempt=self.attempt, timestamp=time.time(),
-                        node_rank=w.node_rank, hostname=self.specs[0]["hostname"])]
-                w.publish(failures, self.first_error())
+                    failures = [self.node_failure(
+                        f"was torn down because node {w.node_rank}'s launcher received "
+                        f"{signal_name(self.signal_received)}")]
+                w.publish(failures, error)
             elif self.remote_node is not None:
                 self.remote_report = w.report(wait=30.0)
             w.mark_done()
@@ -465,9 +470,7 @@ class Attempt:
                     self._idle(POLL_INTERVAL)
         except NodeLost as exc:
             if not self.failures and self.remote_node is None:
-                self.failures.append(RankFailure(
-                    self.specs[0]["global_rank"], None, None, None, message=str(exc),
-                    attempt=self.attempt, timestamp=time.time()))
+                self.failures.append(self.node_failure(str(exc)))
 
     def _idle(self, seconds: float) -> None:
         """Sleep, but wake for a signal (the handler writes to the waker)."""
@@ -605,9 +608,9 @@ class Attempt:
                 f.stderr_tail = self.stderr_tail(f.local_rank) or None
         return failures
 
-    def first_error(self):
-        """The "err" message of the first failing rank, if it raised."""
-        failures = self.final_failures()
+    def first_error(self, failures: List[RankFailure]):
+        """The "err" message of the first of this node's `failures` (from
+        final_failures), if that rank raised."""
         if not failures:
             return None
         return self.ranks[failures[0].local_rank].error

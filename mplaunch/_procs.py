@@ -73,9 +73,7 @@ class ServerHandle:
         self.preload = preload
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         _parent_only_socks.add(ours)
-        pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        code = (f"import sys; sys.path.insert(0, {pkg_parent!r}); "
-                "from mplaunch._server import main; main()")
+        code = _sys.entry_code("_server", "main")
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", code, str(theirs.fileno()), ",".join(preload),

@@ -25,7 +25,7 @@ import sys
 import traceback
 
 from . import _sys
-from ._channel import recv_obj, send_obj
+from ._channel import RANK_FDS, recv_obj, send_obj
 
 
 POOL_MAX = 16  # idle pre-forked children kept at most
@@ -127,8 +127,7 @@ class Server:
 
     # -- starting ranks ------------------------------------------------------------
     def _start(self, launch, token, spec, fds) -> None:
-        names = ("payload", "result", "stdout", "stderr", "stack")
-        fdmap = dict(zip(names, fds))
+        fdmap = dict(zip(RANK_FDS, fds))
         launch.started += 1
         self.pool_target = max(self.pool_target, min(launch.started, POOL_MAX))
         if not spec.get("exec"):
@@ -181,7 +180,10 @@ class Server:
         self.pool.append((pid, ours))
         self.zygotes.add(pid)
 
-    def _close_server_fds(self, keep=()) -> None:
+    def _leave_server(self, keep=()) -> None:
+        """In a freshly forked child: drop the server's signal handling and fds."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in [self.lifeline.fileno(), self._wake_r, self._wake_w,
                    *(l.sock.fileno() for l in self.launches.values()),
                    *(z.fileno() for _, z in self.pool)]:
@@ -194,9 +196,7 @@ class Server:
     def _zygote(self, sock) -> None:
         """An idle pre-forked child: wait for a rank to become, or for EOF."""
         try:
-            signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            self._close_server_fds(keep={sock.fileno()})
+            self._leave_server(keep={sock.fileno()})
             _sys.set_pdeathsig(signal.SIGKILL)
             if os.getppid() != self.pid:
                 os._exit(0)
@@ -205,8 +205,7 @@ class Server:
             if msg is None:
                 os._exit(0)
             sock.close()
-            names = ("payload", "result", "stdout", "stderr", "stack")
-            run_rank(msg[1], dict(zip(names, fds)), self.pid)
+            run_rank(msg[1], dict(zip(RANK_FDS, fds)), self.pid)
         except BaseException:  # noqa: BLE001
             traceback.print_exc()
         os._exit(1)
@@ -214,9 +213,7 @@ class Server:
     def _in_child(self, spec, fdmap) -> None:
         """In the freshly forked child: drop the server's state, then become the rank."""
         try:
-            signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            self._close_server_fds(keep=set(fdmap.values()))
+            self._leave_server(keep=set(fdmap.values()))
             if spec.get("exec"):
                 self._exec_rank(spec, fdmap)
             from ._worker import run_rank
@@ -234,11 +231,8 @@ class Server:
         blob = pickle.dumps((spec, fdmap, self.pid))
         spec_fd = _sys.memfd_with(blob, "mplaunch-spec")
         os.set_inheritable(spec_fd, True)
-        pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        code = (f"import sys; sys.path.insert(0, {pkg_parent!r}); "
-                "from mplaunch._worker import exec_main; exec_main()")
-        env = dict(spec["env"])
-        os.execve(sys.executable, [sys.executable, "-c", code, str(spec_fd)], env)
+        os.execve(sys.executable, [sys.executable, "-c", _sys.entry_code("_worker", "exec_main"),
+                                   str(spec_fd)], dict(spec["env"]))
 
     # -- children ------------------------------------------------------------------
     def _on_sigchld(self, fd) -> None:
@@ -265,7 +259,9 @@ class Server:
                 continue
             if pid in self.zygotes:
                 self.zygotes.discard(pid)
-                self.pool = [(p, z) for p, z in self.pool if p != pid or z.close()]
+                for entry in [e for e in self.pool if e[0] == pid]:
+                    self.pool.remove(entry)
+                    entry[1].close()
                 continue
             launch = self.rank_owner.pop(pid, None)
             if launch is not None:

@@ -5,7 +5,6 @@ import ctypes
 import ctypes.util
 import os
 import signal
-import struct
 import time
 
 PR_SET_PDEATHSIG = 1
@@ -164,4 +163,10 @@ def pgid_of(pid: int):
         return None
 
 
-LEN = struct.Struct("!Q")
+
+def entry_code(module: str, function: str) -> str:
+    """`python -c` code that calls mplaunch.<module>.<function>() from this very copy of
+    the package, whatever sys.path the new interpreter starts with."""
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return (f"import sys; sys.path.insert(0, {pkg_parent!r}); "
+            f"from mplaunch.{module} import {function}; {function}()")
