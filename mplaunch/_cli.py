@@ -16,6 +16,8 @@ import threading
 import traceback
 from typing import List, Optional, Sequence
 
+from ._config import Script, auto_nprocs
+
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 124  # what timeout(1) uses
 
@@ -130,19 +132,7 @@ _non_negative_int = _int_at_least(0)
 
 
 def _nprocs(text: str) -> int:
-    return _auto_nprocs() if text == "auto" else _positive_int(text)
-
-
-def _auto_nprocs() -> int:
-    try:
-        import torch
-        gpus = torch.cuda.device_count()  # NVML-based: does not initialise CUDA here
-    except Exception:  # noqa: BLE001 - no usable torch: count CPUs instead
-        gpus = 0
-    if gpus > 0:
-        return gpus
-    from ._env import _cpus
-    return _cpus()
+    return auto_nprocs() if text == "auto" else _positive_int(text)
 
 
 def _seconds(text: str) -> float:
@@ -169,7 +159,7 @@ def _name_list(text: str) -> List[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from ._launch import START_METHODS
+    from ._config import START_METHODS
     p = argparse.ArgumentParser(
         prog="mplaunch", usage="%(prog)s -n N [options] [-m] script|package.module:function "
                                "[ARGS ...]",
@@ -346,7 +336,7 @@ def _check_path(target: str) -> None:
 
 
 def _prepare(ns):
-    """(func, launch keyword arguments) for what the command line names; raises
+    """(func, Script or None) for what the command line names; raises
     _UsageError before anything starts if it names nothing runnable."""
     target, args = ns.target, ns.args
     if ns.module:
@@ -357,12 +347,12 @@ def _prepare(ns):
     if kind == "function":
         _check_function(target)
         module, _, attr = target.partition(":")
-        return EntryPoint(module, attr, [target, *args]), {}
+        return EntryPoint(module, attr, [target, *args]), None
     if kind == "module":
         _check_module(target)
     else:
         _check_path(target)
-    return _script_placeholder, {"_script": (target, kind, [target, *args])}
+    return _script_placeholder, Script(target, kind, (target, *args))
 
 
 def _launch_kwargs(ns) -> dict:
@@ -449,15 +439,15 @@ def _flush_stdout() -> None:
 def run(argv: Sequence[str]) -> int:
     parser, ns = parse_args(argv)
     try:
-        func, extra = _prepare(ns)
+        func, script = _prepare(ns)
     except _UsageError as exc:
         _say(f"error: {exc}")
         return EXIT_USAGE
 
-    from ._launch import launch
+    from ._launch import run as run_launch
     from .errors import LaunchTimeout, MainProcessError, WorkerError
     try:
-        launch(func, nprocs=ns.nprocs, **_launch_kwargs(ns), **extra)
+        run_launch(func, (), ns.nprocs, _launch_kwargs(ns), script)
     except LaunchTimeout as err:
         _flush_stdout()
         _say(str(err))

@@ -7,7 +7,8 @@ from typing import Callable, Dict, Mapping, Optional, Union
 EnvArg = Union[None, Mapping[str, str], Callable[[int], Mapping[str, str]]]
 
 
-def _cpus() -> int:
+def cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask), at least 1."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -42,7 +43,7 @@ def rank_env(*, base: Mapping[str, str], rank: int, local_rank: int, world_size:
     env = dict(base)
     if "OMP_NUM_THREADS" not in env and local_world_size > 1:
         # torchrun's reasoning: N ranks each using every core oversubscribe the machine.
-        env["OMP_NUM_THREADS"] = str(max(1, _cpus() // local_world_size))
+        env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // local_world_size))
     env.update({
         "RANK": str(rank),
         "LOCAL_RANK": str(local_rank),

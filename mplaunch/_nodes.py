@@ -11,6 +11,8 @@ import pickle
 import time
 from typing import Optional
 
+from .errors import signal_name
+
 POLL_INTERVAL = 0.1  # network state has no fd to wait on; 10 checks a second is plenty
 
 
@@ -60,3 +62,85 @@ class NodeWatch:
 
     def all_done(self) -> bool:
         return self._call(self.store.add, self.prefix + "done", 0) >= self.nnodes
+
+
+class NodeSync:
+    """This node's part in agreeing with the others on one attempt's outcome: claim a
+    local failure, notice a remote one, and settle once the local ranks are gone."""
+
+    def __init__(self, watch: NodeWatch):
+        self.watch = watch
+        self.claimed = False          # this node reported the attempt's failure
+        self.claim_tried = False
+        self.remote_node: Optional[int] = None    # another node failed first
+        self.remote_report = None     # (failures, error message) from that node
+
+    def claim(self) -> None:
+        self.claim_tried = True
+        if self.remote_node is not None:
+            return
+        try:
+            won = self.watch.claim()
+        except NodeLost:
+            return
+        if won == self.watch.node_rank:
+            self.claimed = True
+        else:
+            self.remote_node = won
+
+    def poll(self) -> Optional[int]:
+        """The node that failed, if another one did (raises NodeLost)."""
+        failed = self.watch.failed_node()
+        if failed is not None and failed != self.watch.node_rank:
+            self.remote_node = failed
+            return failed
+        return None
+
+    def settle(self, attempt, report, sleep) -> None:
+        """Every local rank is gone. Wait for the other nodes to succeed (or for one to
+        fail), exchange the failure report, and on node 0 keep the store up until every
+        node has read it. `report()` gives this node's (failures, first error message);
+        `sleep(seconds)` waits but wakes for a signal (attempt.signal_received)."""
+        w = self.watch
+        try:
+            if attempt.signal_received is not None and self.remote_node is None \
+                    and not self.claimed:
+                self.claim()
+            if not attempt.group.failures and self.remote_node is None \
+                    and not self.claimed and attempt.signal_received is None \
+                    and not attempt.timed_out:
+                self._wait_for_others(attempt, sleep)
+            if self.claimed:
+                failures, error = report()
+                if not failures and attempt.signal_received is not None:
+                    # Nothing failed here: this node was told to stop. Tell the others
+                    # why their ranks are being torn down.
+                    failures = [attempt.group.node_failure(
+                        f"was torn down because node {w.node_rank}'s launcher received "
+                        f"{signal_name(attempt.signal_received)}")]
+                w.publish(failures, error)
+            elif self.remote_node is not None:
+                self.remote_report = w.report(wait=30.0)
+            w.mark_done()
+            if w.node_rank == 0:
+                end = time.monotonic() + 30.0
+                while not w.all_done() and time.monotonic() < end:
+                    sleep(POLL_INTERVAL)
+        except NodeLost as exc:
+            if not attempt.group.failures and self.remote_node is None:
+                attempt.group.failures.append(attempt.group.node_failure(str(exc)))
+
+    def _wait_for_others(self, attempt, sleep) -> None:
+        w = self.watch
+        w._call(w.store.add, w.prefix + "ok", 1)
+        while True:
+            failed = w.failed_node()
+            if failed is not None:
+                self.remote_node = failed
+                return
+            if w._call(w.store.add, w.prefix + "ok", 0) >= w.nnodes:
+                return
+            if attempt.signal_received is not None:
+                self.claim()
+                return
+            sleep(POLL_INTERVAL)

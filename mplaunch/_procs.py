@@ -50,6 +50,11 @@ def own_fd(fd: int) -> int:
     return fd
 
 
+def own_socket(sock: socket.socket) -> socket.socket:
+    _parent_only_socks.add(sock)
+    return sock
+
+
 def disown_fd(fd: int) -> None:
     _parent_only_fds.discard(fd)
 
@@ -202,7 +207,7 @@ def cuda_initialized() -> bool:
         return False
 
 
-def fork_rank(spec: dict, fdmap: dict) -> int:
+def fork_rank(spec, fdmap: dict) -> int:
     """start_method="fork": the rank is a fork of this process. Returns its pid."""
     parent = os.getpid()
     pid = os.fork()

@@ -130,7 +130,7 @@ class Server:
         fdmap = dict(zip(RANK_FDS, fds))
         launch.started += 1
         self.pool_target = max(self.pool_target, min(launch.started, POOL_MAX))
-        if not spec.get("exec"):
+        if not spec.fresh_interpreter:
             while self.pool:
                 pid, zsock = self.pool.pop()
                 try:
@@ -214,7 +214,7 @@ class Server:
         """In the freshly forked child: drop the server's state, then become the rank."""
         try:
             self._leave_server(keep=set(fdmap.values()))
-            if spec.get("exec"):
+            if spec.fresh_interpreter:
                 self._exec_rank(spec, fdmap)
             from ._worker import run_rank
             run_rank(spec, fdmap, self.pid)
@@ -232,7 +232,7 @@ class Server:
         spec_fd = _sys.memfd_with(blob, "mplaunch-spec")
         os.set_inheritable(spec_fd, True)
         os.execve(sys.executable, [sys.executable, "-c", _sys.entry_code("_worker", "exec_main"),
-                                   str(spec_fd)], dict(spec["env"]))
+                                   str(spec_fd)], dict(spec.env))
 
     # -- children ------------------------------------------------------------------
     def _on_sigchld(self, fd) -> None:

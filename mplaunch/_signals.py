@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import signal
 import threading
 
@@ -58,6 +59,14 @@ class Waker:
                 pass
         except (BlockingIOError, OSError):
             pass
+
+    def sleep(self, seconds: float) -> None:
+        """Wait `seconds`, or less if woken."""
+        try:
+            select.select([self.r], [], [], seconds)
+        except InterruptedError:
+            pass
+        self.drain()
 
     def close(self) -> None:
         for fd in (self.r, self.w):

@@ -73,16 +73,16 @@ def _take_over_process(fds: dict, expected_ppid: int) -> None:
     faulthandler.register(STACK_SIGNAL, file=fds["stack"], all_threads=True, chain=False)
 
 
-def _apply_spec(spec: dict) -> None:
+def _apply_spec(spec) -> None:
     os.environ.clear()
-    os.environ.update(spec["env"])
+    os.environ.update(spec.env)
     try:
-        os.chdir(spec["cwd"])
+        os.chdir(spec.cwd)
     except OSError:
         pass
-    sys.path[:] = spec["sys_path"]
-    if spec.get("argv") is not None:
-        sys.argv[:] = spec["argv"]
+    sys.path[:] = spec.sys_path
+    if spec.script is not None:
+        sys.argv[:] = spec.script.argv
     atexit._clear()  # handlers inherited from the forking process are not ours to run
     _install_rendezvous_hook()
     torch = sys.modules.get("torch")
@@ -96,7 +96,7 @@ def _apply_spec(spec: dict) -> None:
             pass
 
 
-def run_rank(spec: dict, fds: dict, expected_ppid: int):
+def run_rank(spec, fds: dict, expected_ppid: int):
     """Run one rank in this (new) process. Never returns."""
     code = EXIT_ERROR
     try:
@@ -123,7 +123,7 @@ def _kill_descendants() -> None:
         _sys.kill_quiet(pid, signal.SIGKILL)
 
 
-def _run_and_report(spec: dict, fds: dict) -> int:
+def _run_and_report(spec, fds: dict) -> int:
     import socket
 
     from . import _serialize
@@ -132,8 +132,8 @@ def _run_and_report(spec: dict, fds: dict) -> int:
     os.close(fds["payload"])
     exitcode = 0
     try:
-        if spec.get("script") is not None:
-            value = _run_script(spec["script"], spec.get("script_kind", "path"))
+        if spec.script is not None:
+            value = _run_script(spec.script.target, spec.script.kind)
         else:
             func, args, kwargs = _serialize.loads_payload(payload)
             del payload
@@ -151,7 +151,7 @@ def _run_and_report(spec: dict, fds: dict) -> int:
     try:
         data, tensor_fds = _serialize.dumps_result(value)
     except BaseException as exc:  # noqa: BLE001
-        err = TypeError(f"rank {spec['rank']} returned a value that could not be pickled "
+        err = TypeError(f"rank {spec.rank} returned a value that could not be pickled "
                         f"({type(value).__name__}): {type(exc).__name__}: {exc}. Return "
                         "something picklable, or save it to a file and return the path.")
         err.__cause__ = exc

@@ -392,18 +392,14 @@ def test_prefix_template_and_no_prefix(capsys):
 
 def test_prefix_fields_of_a_second_node():
     # local_rank and rank differ only beyond node 0; the relay's prefix is the
-    # template filled with each rank's prefix_fields.
-    from mplaunch._launch import _rank_specs, _validate
-    cfg = _validate(func=say_hello, args=(), nprocs=2, kwargs=None, start_method=None,
-                    env=None, master_addr="127.0.0.1", master_port=29500, grace_period=5.0,
-                    timeout=None, max_restarts=0, preload=(),
-                    prefix="{rank}/{local_rank}/{node_rank}@{host}: ", relay=True,
-                    ranks_filter=None, log_dir=None, nnodes=2, node_rank=1)
-    cfg.script = None
-    cfg.user_envs = [{}, {}]
-    specs = _rank_specs(cfg, 0, 29500, None)
+    # template filled with each rank's prefix.
+    from mplaunch._config import rank_specs, validate
+    cfg = validate(say_hello, (), 2, dict(master_addr="127.0.0.1", master_port=29500,
+                                          preload=(), nnodes=2, node_rank=1,
+                                          prefix="{rank}/{local_rank}/{node_rank}@{host}: "))
+    specs = rank_specs(cfg, 0, 29500, None)
     host = socket.gethostname()
-    assert [cfg.prefix.format(**s["prefix_fields"]) for s in specs] == [
+    assert [s.prefix(cfg.prefix) for s in specs] == [
         f"2/0/1@{host}: ", f"3/1/1@{host}: "]
 
 

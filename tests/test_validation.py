@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 import mplaunch
-from mplaunch import _monitor, _procs
+from mplaunch import _group, _procs
 
 
 def ok(*args, **kwargs):
@@ -43,8 +43,8 @@ def refuses(monkeypatch, tmp_path):
     def started(self, *a, **kw):
         raise AssertionError("launch() went as far as starting ranks")
 
-    # Before Attempt makes its selector and pipes, so the guard leaks nothing itself.
-    monkeypatch.setattr(_monitor.Attempt, "__init__", started)
+    # Before the group makes its selector and pipes, so the guard leaks nothing itself.
+    monkeypatch.setattr(_group.RankGroup, "__init__", started)
     monkeypatch.setattr(_procs, "fork_rank", started)
     wire = str(tmp_path / "rank-was-here")
 

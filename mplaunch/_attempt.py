@@ -1,0 +1,84 @@
+"""One attempt of a launch: a RankGroup driven from start to its end, with the three
+things that can end it early besides a failing rank: a signal to this process, the
+deadline, and another node's failure."""
+from __future__ import annotations
+
+import signal
+import time
+from typing import Dict, Optional, Sequence
+
+from ._config import LaunchConfig, RankSpec
+from ._group import RankGroup
+from ._nodes import POLL_INTERVAL, NodeLost, NodeSync, NodeWatch
+from ._outcome import first_error, local_failures
+from ._signals import Waker
+from ._timeouts import collect_stacks
+
+
+class Attempt:
+    """Run with ``run()``; afterwards ``_outcome.results_or_raise(attempt)`` says what it
+    amounted to."""
+
+    def __init__(self, cfg: LaunchConfig, number: int, specs: Sequence[RankSpec],
+                 payload_fd: int, waker: Waker, watch: Optional[NodeWatch] = None):
+        self.cfg = cfg
+        self.number = number
+        self.waker = waker
+        self.group = RankGroup(cfg, specs, payload_fd, number, waker)
+        self.nodes = NodeSync(watch) if watch is not None else None
+        self.signal_received: Optional[int] = None
+        self.timed_out = False
+        self.stacks: Dict[int, str] = {}   # global rank -> raw dump, on a timeout
+
+    def on_signal(self, signo: int) -> None:
+        """Called from a signal handler (or another thread): record, and let run() act.
+        The same signal twice: stop waiting for the grace period."""
+        if self.signal_received is not None and signo == self.signal_received:
+            self.group.hurry()
+        self.signal_received = signo
+        self.waker.wake()
+
+    def run(self) -> None:
+        """Returns once every rank of this node is gone (and, with several nodes, the
+        nodes agree on the outcome)."""
+        group, nodes = self.group, self.nodes
+        deadline = None if self.cfg.timeout is None else time.monotonic() + self.cfg.timeout
+        try:
+            group.start()
+            while group.running:
+                wait = None
+                if deadline is not None and not group.stopping:
+                    wait = max(0.0, deadline - time.monotonic())
+                if nodes is not None:
+                    # Network state has no fd to wait on.
+                    wait = POLL_INTERVAL if wait is None else min(wait, POLL_INTERVAL)
+                group.wait(wait)
+                if nodes is not None:
+                    self._watch_nodes()
+                if self.signal_received is not None and not group.stopping:
+                    group.stop(self.signal_received)
+                if (deadline is not None and not group.stopping and group.running
+                        and time.monotonic() >= deadline):
+                    self.timed_out = True
+                    self.stacks = collect_stacks(group)
+                    group.stop(signal.SIGTERM)
+        finally:
+            group.close()
+        if nodes is not None:
+            nodes.settle(self, self._report, self.waker.sleep)
+
+    def _watch_nodes(self) -> None:
+        group, nodes = self.group, self.nodes
+        if group.failures and not nodes.claim_tried:
+            nodes.claim()
+        if group.stopping:
+            return
+        try:
+            if nodes.poll() is not None:
+                group.stop(signal.SIGTERM)
+        except NodeLost as exc:
+            group.fail(group.node_failure(str(exc)))
+
+    def _report(self):
+        failures = local_failures(self.group)
+        return failures, first_error(self.group, failures)

@@ -1,0 +1,124 @@
+"""mplaunch.start(): a launch that runs while the caller does other work, and the Handle
+that watches it.
+
+The launch itself is the same Run that launch() drives; here a thread drives it. Signals
+are forwarded to the ranks only while the main thread waits on the handle (wait() or
+result()); otherwise a Ctrl-C is the caller's, as with any other work it does.
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+import weakref
+from typing import Any, Callable, Dict, Generic, List, Optional, TypeVar
+
+from . import _signals
+from ._config import validate
+from ._launch import Run
+from ._serialize import dumps_payload
+
+T = TypeVar("T")
+
+_open: "weakref.WeakSet[Handle]" = weakref.WeakSet()
+
+
+class Handle(Generic[T]):
+    """A launch in progress, returned by :func:`mplaunch.start`.
+
+    ``pids`` maps each rank of this node to its process id; ``done()`` says whether the
+    launch has ended, without blocking; ``wait(timeout)`` waits for it; ``result()``
+    returns what :func:`mplaunch.launch` would have returned, or raises what it would
+    have raised; ``stop()`` tears the ranks down as on a failure. Used as a context
+    manager, leaving the block stops the launch if it is still running. A handle left
+    running is stopped when the interpreter exits.
+    """
+
+    __module__ = "mplaunch"
+
+    def __init__(self, run: Run):
+        self._run = run
+        self._finished = threading.Event()
+        self._value: Optional[List[T]] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._drive, name="mplaunch-monitor",
+                                        daemon=True)
+        _open.add(self)
+        self._thread.start()
+        run.started.wait()   # every rank has a pid (or the launch already failed)
+
+    def _drive(self) -> None:
+        try:
+            self._value = self._run.drive()
+        except BaseException as exc:  # noqa: BLE001 - handed to result()
+            self._error = exc
+        finally:
+            self._run.started.set()
+            self._finished.set()
+
+    @property
+    def pids(self) -> Dict[int, int]:
+        """{rank: pid} of the ranks of the current attempt on this node."""
+        return self._run.pids
+
+    def done(self) -> bool:
+        """True once every rank is gone and the outcome is known. Never blocks."""
+        return self._finished.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait up to `timeout` seconds (None: no limit) for the launch to end; True if
+        it has. A signal to this process meanwhile (in the main thread) is forwarded to
+        the ranks, as during launch()."""
+        if self._finished.is_set():
+            return True
+        with _signals.forwarding(self._run.on_signal, warn=False):
+            return self._finished.wait(timeout)
+
+    def result(self, timeout: Optional[float] = None) -> List[T]:
+        """The list launch() returns, or raise what launch() raises. Raises
+        TimeoutError if the launch is still running after `timeout` seconds (it goes
+        on; call stop() to end it)."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"the launch is still running after {timeout:g} s; call "
+                               "result() again to keep waiting, or stop() to end it")
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+    def stop(self, grace_period: Optional[float] = None) -> None:
+        """Tear the ranks down as on a failure: SIGTERM, then SIGKILL after
+        `grace_period` (default: the launch's). Returns once every process is gone;
+        idempotent. result() then raises a WorkerError naming the ranks that were
+        stopped, unless every rank had already returned."""
+        self._run.stop(grace_period)
+        self._finished.wait()
+        self._thread.join()
+
+    def __enter__(self) -> "Handle[T]":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else f"running, pids {self.pids}"
+        return f"<mplaunch.Handle {state}>"
+
+
+def start(func: Callable[..., T], args: Any = (), nprocs: Any = 1,
+          **options: Any) -> Handle[T]:
+    """Start ``func(*args, **kwargs)`` in ``nprocs`` ranks and return at once with a
+    :class:`Handle`; ``start(...).result()`` is ``launch(...)``. Takes every keyword
+    argument of :func:`mplaunch.launch`. Bad arguments raise here, before any process
+    starts."""
+    cfg = validate(func, args, nprocs, options)
+    payload = dumps_payload(func, args, options.get("kwargs") or {})
+    return Handle(Run(cfg, payload, forward_signals=False))
+
+
+@atexit.register
+def _stop_open_handles() -> None:
+    for handle in list(_open):
+        if not handle.done():
+            handle.stop()
+
