@@ -16,7 +16,9 @@ import threading
 import traceback
 from typing import List, Optional, Sequence
 
-from ._config import Script, auto_nprocs
+from . import _torchrun
+from ._config import Script, auto_nprocs, gpu_count, node_layout
+from ._env import cpu_count
 
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 124  # what timeout(1) uses
@@ -62,7 +64,16 @@ exit status:
            every rank was sent it and torn down
   2        bad command line, or a script, module or function that does not exist
   A failure is summarised on stderr, on lines starting with "mplaunch: ": which rank
-  failed, how, and the last lines of its stderr.
+  failed, how, and the last lines of its stderr (for an exception whose traceback was
+  relayed just above, where it was raised instead).
+
+coming from torchrun:
+  Options may be spelled with underscores (--log_dir). torchrun's other flags are
+  understood too: --standalone is mplaunch's default (one node, a free port);
+  --rdzv-*, --monitor-interval, --role, --run-path, --local-addr and
+  --event-log-handler are ignored with a note; --redirects 3 and --tee need --log-dir;
+  the rest (--no-python, --numa-binding, ...) are refused with what to use instead.
+  mplaunch needs torch in this Python: it hosts the ranks' store with torch.distributed.
 """
 
 
@@ -132,7 +143,33 @@ _non_negative_int = _int_at_least(0)
 
 
 def _nprocs(text: str) -> int:
-    return auto_nprocs() if text == "auto" else _positive_int(text)
+    # "auto" is mplaunch's; "cpu" and "gpu" are torchrun's --nproc-per-node values too.
+    if text == "auto":
+        return auto_nprocs()
+    if text == "cpu":
+        return cpu_count()
+    if text == "gpu":
+        n = gpu_count()
+        if not n:
+            raise argparse.ArgumentTypeError("'gpu' counts CUDA GPUs, and this machine "
+                                             "shows none; give a number, or 'cpu'")
+        return n
+    if text == "xpu":
+        raise argparse.ArgumentTypeError("mplaunch counts CUDA GPUs ('gpu') and CPUs "
+                                         "('cpu'); for XPUs give a number")
+    return _positive_int(text)
+
+
+def _nnodes(text: str) -> int:
+    # torchrun also takes MIN:MAX for an elastic job; a fixed N:N is the same as N.
+    low, sep, high = text.partition(":")
+    if sep and low.strip() == high.strip():
+        text = low
+    elif sep:
+        raise argparse.ArgumentTypeError(
+            f"mplaunch runs a fixed number of nodes (no elastic MIN:MAX range); give one "
+            f"number, got {text!r}")
+    return _positive_int(text)
 
 
 def _seconds(text: str) -> float:
@@ -165,9 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
                                "[ARGS ...]",
         description=_DESCRIPTION, epilog=_EPILOG, allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-n", "--nprocs", type=_nprocs, required=True, metavar="N",
-                   help="ranks on this node: a number, or 'auto' (one per GPU, else one "
-                        "per CPU)")
+    p.add_argument("-n", "--nprocs", "--nproc-per-node", type=_nprocs, required=True,
+                   metavar="N", dest="nprocs",
+                   help="ranks on this node: a number, 'auto' (one per GPU, else one "
+                        "per CPU), 'gpu' or 'cpu'")
     p.add_argument("-m", "--module", action="store_true",
                    help="the target is a module to run as __main__, like python -m")
     p.add_argument("--start-method", choices=START_METHODS, default=None,
@@ -179,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "{node_rank}, {host} (default '[rank{rank}]: '; '' for none)")
     p.add_argument("--no-relay", dest="relay", action="store_false",
                    help="do not relay the ranks' stdout and stderr here")
-    p.add_argument("--ranks-filter", type=_int_list, default=None, metavar="R,R,...",
+    p.add_argument("--ranks-filter", "--local-ranks-filter", type=_int_list, default=None,
+                   metavar="R,R,...", dest="ranks_filter",
                    help="relay only these local ranks' output (all still go to --log-dir)")
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="write DIR/attempt_<n>/<rank>/stdout.log, stderr.log, and "
@@ -188,12 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after this long, print every rank's stack, exit 124")
     p.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
                    help="on a failure, start every rank again up to N times")
-    p.add_argument("--grace-period", type=_seconds, default=None, metavar="SECONDS",
+    p.add_argument("--grace-period", "--shutdown-timeout", type=_seconds, default=None,
+                   metavar="SECONDS", dest="grace_period",
                    help="between SIGTERM and SIGKILL when stopping ranks (default 5)")
     p.add_argument("--preload", type=_name_list, default=None, metavar="MOD,MOD,...",
                    help="modules the warm server imports once (default torch; '' for "
                         "none)")
-    p.add_argument("--nnodes", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--nnodes", type=_nnodes, default=None, metavar="N",
                    help="number of nodes (default 1, or from SLURM inside srun)")
     p.add_argument("--node-rank", type=_non_negative_int, default=None, metavar="I",
                    help="this node's index, 0 to nnodes-1 (node 0 hosts the store)")
@@ -205,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"mplaunch {__version__}")
     p.add_argument("target", metavar="script|package.module:function",
                    help="what every rank runs, followed by its own arguments")
+    _torchrun.add_arguments(p)
     return p
 
 
@@ -221,39 +262,76 @@ def _port(text: str) -> int:
 def split_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]):
     """(mplaunch's options, target, the target's arguments). The target is the first
     argument that is neither an option nor an option's value; what follows it is passed
-    on untouched, '--' and option-like words included (argparse would eat a '--')."""
-    takes_value = {}
-    for action in parser._actions:
-        for opt in action.option_strings:
-            takes_value[opt] = action.nargs != 0
+    on untouched, '--' and option-like words included (argparse would eat a '--').
+    mplaunch's own long options come back with any '_' in their name spelled '-'."""
+    options, target, rest, _unknown = _walk(parser, argv)
+    return options, target, rest
+
+
+def _normalize(tok: str) -> str:
+    # torchrun takes --nproc_per_node and --nproc-per-node alike; so does mplaunch, for
+    # every option, without listing each spelling twice in --help.
+    if not tok.startswith("--"):
+        return tok
+    name, eq, value = tok.partition("=")
+    return name.replace("_", "-") + eq + value
+
+
+def _walk(parser: argparse.ArgumentParser, argv: Sequence[str]):
+    """split_command_line's work, plus the option words that name no option."""
+    known = parser._option_string_actions
     argv = list(argv)
+    options: List[str] = []
+    unknown: List[str] = []
     i = 0
     while i < len(argv):
         tok = argv[i]
         if tok == "--":
             if i + 1 >= len(argv):
-                return argv[:i], None, []
-            return argv[:i], argv[i + 1], argv[i + 2:]
+                return options, None, [], unknown
+            return options, argv[i + 1], argv[i + 2:], unknown
         if tok.startswith("-") and tok != "-":
-            if tok.startswith("--") and "=" in tok:
+            tok = _normalize(tok)
+            options.append(tok)
+            name = tok.partition("=")[0] if tok.startswith("--") else tok
+            action = known.get(name) or (known.get(tok[:2]) if not tok.startswith("--")
+                                         else None)
+            if action is None:
+                unknown.append(tok)
+            elif name == tok and tok in known and action.nargs != 0 and i + 1 < len(argv):
+                options.append(argv[i + 1])  # its value, whatever it looks like
                 i += 1
-            elif takes_value.get(tok, False):
-                i += 2
-            else:
-                i += 1  # a flag, an attached value (-n4), or unknown: argparse says
+            i += 1  # a flag, an attached value (-n4, --x=1), or unknown: argparse says
             continue
-        return argv[:i], tok, argv[i + 1:]
-    return argv, None, []
+        return options, tok, argv[i + 1:], unknown
+    return options, None, [], unknown
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, option: str) -> str:
+    import difflib
+    name = option.partition("=")[0]
+    longs = [s for s in parser._option_string_actions if s.startswith("--")]
+    close = difflib.get_close_matches(name, longs, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def parse_args(argv: Sequence[str]):
+    """(parser, namespace) for a command line; exits with status 2 on a bad one, as
+    argparse does. The namespace's `notes` are what the command should print first."""
     parser = build_parser()
-    options, target, rest = split_command_line(parser, argv)
+    options, target, rest, unknown = _walk(parser, argv)
+    if unknown and not {"-h", "--help", "--version"} & set(options):
+        parser.error(f"unrecognized arguments: {unknown[0]}"
+                     f"{_did_you_mean(parser, unknown[0])}")
     if target is None:
         ns = parser.parse_args(options)  # --help, --version, or the missing-target error
     else:
         ns = parser.parse_args(options + ["--", target])
     ns.args = rest
+    try:
+        ns.notes = _torchrun.translate(ns, [s.name for s in _HANDLED_SIGNALS])
+    except _torchrun.Refused as exc:
+        parser.error(str(exc))
     return parser, ns
 
 
@@ -401,7 +479,88 @@ def _tail_of(failure, max_lines: int = 40) -> str:
     return "\n".join(lines)
 
 
-def report_failure(err, code: int) -> None:
+def _raised_at(tb: str) -> List[str]:
+    """The innermost frame of a traceback's last exception: its 'File "...", line N, in
+    f' line and the source line under it, as Python printed them (so that terminals and
+    editors still recognise them)."""
+    lines = tb.rstrip("\n").split("\n")
+    for i in range(len(lines) - 1, -1, -1):
+        head = lines[i].lstrip(" |")  # exception groups draw their frames with '|'
+        if not head.startswith('File "'):
+            continue
+        out = ["  " + head]
+        if i + 1 < len(lines):
+            source = lines[i + 1].lstrip(" |")
+            deeper = len(lines[i + 1]) - len(source) > len(lines[i]) - len(head)
+            if deeper and source and not set(source) <= set("^~ "):
+                out.append("    " + source)
+        return out
+    return []
+
+
+class Shown:
+    """What this command's own terminal already showed of a rank: whether a failing
+    rank's stderr was relayed here (its traceback with it), under which prefix, and
+    where its log file is."""
+
+    def __init__(self, relay: bool = False, ranks_filter=None, node_rank: int = 0,
+                 prefix: str = "", log_dir: Optional[str] = None):
+        self.relay, self.node_rank, self.prefix = relay, node_rank, prefix
+        self.ranks_filter = None if ranks_filter is None else set(ranks_filter)
+        self.log_dir = log_dir
+
+    @classmethod
+    def for_command_line(cls, ns) -> "Shown":
+        from ._config import DEFAULT_PREFIX
+        return cls(relay=ns.relay, ranks_filter=ns.ranks_filter,
+                   node_rank=_this_node(ns),
+                   prefix=DEFAULT_PREFIX if ns.prefix is None else ns.prefix,
+                   log_dir=ns.log_dir)
+
+    def here(self, failure) -> bool:
+        return failure.node_rank == self.node_rank
+
+    def relayed(self, failure) -> bool:
+        return (self.relay and self.here(failure)
+                and (self.ranks_filter is None or failure.local_rank in self.ranks_filter))
+
+    def prefix_of(self, failure) -> str:
+        import socket
+        try:
+            return self.prefix.format(rank=failure.rank, local_rank=failure.local_rank,
+                                      node_rank=failure.node_rank,
+                                      host=failure.hostname or socket.gethostname())
+        except (KeyError, IndexError, ValueError):
+            return ""
+
+    def log_of(self, failure) -> Optional[str]:
+        if self.log_dir is None or not self.here(failure):
+            return None
+        return os.path.join(self.log_dir, f"attempt_{failure.attempt}",
+                            str(failure.local_rank), "stderr.log")
+
+
+def _this_node(ns) -> int:
+    # As launch() decided it: the option, else SLURM's layout inside an srun step.
+    return node_layout(ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port)[1]
+
+
+def _where_to_look(failure, shown: Shown) -> List[str]:
+    """For a rank whose traceback was just relayed here line by line: where it is, and
+    where the exception was raised, instead of the traceback again."""
+    prefix = shown.prefix_of(failure).rstrip()
+    where = f"rank {failure.rank}'s traceback is above"
+    if prefix:
+        where += f" (lines starting {prefix!r})"
+    log = shown.log_of(failure)
+    if log:
+        where += f" and in {log}"
+    at = _raised_at(failure.traceback)
+    return [where + ("; raised at:" if at else "")] + at
+
+
+def report_failure(err, code: int, shown: Optional[Shown] = None) -> None:
+    shown = shown or Shown()
     first = err.failures[0]
     lines = [f"{first.describe()}{' ' + err.note if err.note else ''}; exiting with {code}"]
     others = err.failures[1:]
@@ -413,10 +572,18 @@ def report_failure(err, code: int) -> None:
         if attempt:
             lines.append(f"earlier attempt {attempt[0].attempt}: "
                          + "; ".join(f.describe() for f in attempt[:4]))
-    tail = _tail_of(first)
-    if tail:
-        lines.append(f"last lines of rank {first.rank}'s stderr:")
-        lines.extend("  " + line for line in tail.split("\n"))
+    if first.traceback and first.exc_type != "SystemExit" and shown.relayed(first):
+        # The rank printed its traceback as it raised, and it was relayed here: a second
+        # copy right under the first only pushes the first off the screen.
+        lines.extend(_where_to_look(first, shown))
+    else:
+        tail = _tail_of(first)
+        if tail:
+            lines.append(f"last lines of rank {first.rank}'s stderr:")
+            lines.extend("  " + line for line in tail.split("\n"))
+            log = shown.log_of(first)
+            if log:
+                lines.append(f"all of it is in {log}")
     _say("\n".join(lines))
 
 
@@ -436,8 +603,27 @@ def _flush_stdout() -> None:
 
 # -- main ------------------------------------------------------------------------------
 
+def _torch_missing() -> Optional[str]:
+    """Why this Python cannot launch, when torch is not installed in it. The launch
+    itself needs torch even for a script that does not: the ranks' rendezvous store is
+    torch.distributed's TCPStore, hosted by this command."""
+    try:
+        if importlib.util.find_spec("torch") is not None:
+            return None
+    except (ImportError, ValueError):
+        pass
+    return (f"torch is not installed in this Python ({sys.executable}); install it with "
+            "pip install torch (mplaunch hosts the ranks' store with torch.distributed)")
+
+
 def run(argv: Sequence[str]) -> int:
     parser, ns = parse_args(argv)
+    for note in ns.notes:
+        _say(f"note: {note}")
+    missing = _torch_missing()
+    if missing:
+        _say(f"error: {missing}")
+        return EXIT_USAGE
     try:
         func, script = _prepare(ns)
     except _UsageError as exc:
@@ -455,7 +641,7 @@ def run(argv: Sequence[str]) -> int:
     except WorkerError as err:
         _flush_stdout()
         code = exit_code_of(err.failures[0])
-        report_failure(err, code)
+        report_failure(err, code, Shown.for_command_line(ns))
         return code
     except MainProcessError as err:
         _flush_stdout()
@@ -469,6 +655,11 @@ def run(argv: Sequence[str]) -> int:
         # the store's port is taken, node 0 cannot be reached, the server failed...
         _flush_stdout()
         _say(f"error: {exc}")
+        return 1
+    except ImportError as exc:
+        # torch is there but does not import (a broken install, a missing library)
+        _flush_stdout()
+        _say(f"error: {type(exc).__name__}: {exc} (in this Python: {sys.executable})")
         return 1
     _flush_stdout()
     return 0

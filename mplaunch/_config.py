@@ -149,7 +149,7 @@ def validate(func: Callable[..., Any], args: Any, nprocs: Any,
     o = dict(OPTION_DEFAULTS, **options)
     _check_call(func, args, o["kwargs"])
     nprocs = resolve_nprocs(nprocs)
-    nnodes, node_rank, master_addr, master_port = _node_layout(
+    nnodes, node_rank, master_addr, master_port = node_layout(
         o["nnodes"], o["node_rank"], o["master_addr"], o["master_port"])
     max_restarts = o["max_restarts"]
     if not _is_int(max_restarts) or max_restarts < 0:
@@ -195,15 +195,16 @@ def resolve_nprocs(nprocs: Any) -> int:
 
 
 def auto_nprocs() -> int:
-    torch = sys.modules.get("torch")
-    gpus = 0
+    return gpu_count() or cpu_count()
+
+
+def gpu_count() -> int:
+    """CUDA GPUs visible to this process, counted without initialising CUDA here."""
     try:
-        if torch is None:
-            import torch  # noqa: F811 - only "auto" needs it
-        gpus = torch.cuda.device_count()  # NVML-based: does not initialise CUDA here
-    except Exception:  # noqa: BLE001 - no usable torch: count CPUs instead
-        gpus = 0
-    return gpus if gpus > 0 else cpu_count()
+        import torch
+        return torch.cuda.device_count()  # NVML-based
+    except Exception:  # noqa: BLE001 - no usable torch: no GPU to count
+        return 0
 
 
 def _unknown_option_message(name: str) -> str:
@@ -230,7 +231,7 @@ def _check_call(func, args, kwargs) -> None:
         raise TypeError("kwargs keys must be strings (argument names)")
 
 
-def _node_layout(nnodes, node_rank, master_addr, master_port):
+def node_layout(nnodes, node_rank, master_addr, master_port):
     """(nnodes, node_rank, master_addr, master_port): as given, else from SLURM inside
     an srun step, else one node on loopback."""
     slurm = slurm_layout(os.environ) if nnodes is None else None
