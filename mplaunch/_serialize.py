@@ -230,7 +230,24 @@ def _frame_code(filename, name, firstlineno, lineno, span):
     line = f"({' ' * (col - 1)}{undefined})" if col else undefined
     source = "\n" * (lineno - first) + line
     code = compile(source, filename, "exec", dont_inherit=True)
+    if sys.version_info < (3, 10):
+        # Before 3.10, lines are deltas from co_firstlineno, and the compiler starts a
+        # module's code at its first statement: moving co_firstlineno to the `def` line
+        # would move the failing line there too. Say again where it is.
+        return code.replace(co_name=name, co_firstlineno=first,
+                            co_lnotab=_lnotab_at(lineno - first))
     return code.replace(co_name=name, co_firstlineno=first)
+
+
+def _lnotab_at(delta: int) -> bytes:
+    """A co_lnotab that puts every instruction `delta` lines below co_firstlineno: one
+    entry can move at most 127 lines, so a long way takes several."""
+    out = bytearray()
+    while delta > 127:
+        out += bytes((0, 127))
+        delta -= 127
+    out += bytes((0, delta))
+    return bytes(out)
 
 
 def _rebuild_traceback(frames):
