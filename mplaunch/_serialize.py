@@ -197,12 +197,10 @@ def _frames_of(tb) -> list:
         _line, end_lineno, col, end_col = positions
         if col is not None and end_col is not None and end_lineno == lineno:
             span = (col, end_col)
-        elif col is not None:
-            # A multi-line expression: Python marks it from its start to the line's end.
-            import linecache
-            text = linecache.getline(code.co_filename, lineno).rstrip("\r\n")
-            if len(text.encode()) > col:
-                span = (col, len(text.encode()))
+        elif col is not None and end_col is not None and end_lineno and end_lineno > lineno:
+            # A multi-line expression: 3.11 and 3.12 mark its first line, 3.13 all of
+            # its lines; either way, from these positions.
+            span = (col, end_col, end_lineno)
         hide = {}
         for where in (tb.tb_frame.f_globals, tb.tb_frame.f_locals):
             # pytest's marker for frames to leave out of its reports.
@@ -220,8 +218,20 @@ def _frame_code(filename, name, firstlineno, lineno, span):
     `name` that starts at `firstlineno` of `filename`.
 
     It evaluates an undefined name of exactly the failing expression's width, placed at
-    its column; the NameError that raises is discarded, only its frame is kept."""
+    its column; the NameError that raises is discarded, only its frame is kept. An
+    expression over several lines (span is (col, end col, end line)) is a subscript of
+    something that cannot be subscripted, as wide and as tall, which fails with a
+    TypeError instead."""
     first = firstlineno if 0 < firstlineno <= lineno else lineno
+    if span is not None and len(span) == 3 and span[2] > lineno and span[1] > 0:
+        col, end_col, end_lineno = span
+        # Parentheses, so that the expression may start at any column; none at column 0.
+        opener, closer = (f"({' ' * (col - 1)}", ")") if col else ("", "")
+        lines = ([f"{opener}len[0"] + [""] * (end_lineno - lineno - 1)
+                 + [f"{' ' * (end_col - 1)}]{closer}"])
+        source = "\n" * (lineno - first) + "\n".join(lines)
+        code = compile(source, filename, "exec", dont_inherit=True)
+        return code.replace(co_name=name, co_firstlineno=first)
     if span is not None and span[1] > span[0]:
         col, width = span[0], span[1] - span[0]
     else:
@@ -260,7 +270,7 @@ def _rebuild_traceback(frames):
         else:
             try:
                 exec(code, {"__name__": module, "__file__": filename}, dict(hide))  # noqa: S102
-            except NameError:
+            except (NameError, TypeError):
                 tb = sys.exc_info()[2].tb_next
             else:  # pragma: no cover - the code above always raises
                 continue
