@@ -197,12 +197,10 @@ def _frames_of(tb) -> list:
         _line, end_lineno, col, end_col = positions
         if col is not None and end_col is not None and end_lineno == lineno:
             span = (col, end_col)
-        elif col is not None:
-            # A multi-line expression: Python marks it from its start to the line's end.
-            import linecache
-            text = linecache.getline(code.co_filename, lineno).rstrip("\r\n")
-            if len(text.encode()) > col:
-                span = (col, len(text.encode()))
+        elif col is not None and end_col is not None and end_lineno and end_lineno > lineno:
+            # A multi-line expression: 3.11 and 3.12 mark its first line, 3.13 all of
+            # its lines; either way, from these positions.
+            span = (col, end_col, end_lineno)
         hide = {}
         for where in (tb.tb_frame.f_globals, tb.tb_frame.f_locals):
             # pytest's marker for frames to leave out of its reports.
@@ -220,8 +218,20 @@ def _frame_code(filename, name, firstlineno, lineno, span):
     `name` that starts at `firstlineno` of `filename`.
 
     It evaluates an undefined name of exactly the failing expression's width, placed at
-    its column; the NameError that raises is discarded, only its frame is kept."""
+    its column; the NameError that raises is discarded, only its frame is kept. An
+    expression over several lines (span is (col, end col, end line)) is a subscript of
+    something that cannot be subscripted, as wide and as tall, which fails with a
+    TypeError instead."""
     first = firstlineno if 0 < firstlineno <= lineno else lineno
+    if span is not None and len(span) == 3 and span[2] > lineno and span[1] > 0:
+        col, end_col, end_lineno = span
+        # Parentheses, so that the expression may start at any column; none at column 0.
+        opener, closer = (f"({' ' * (col - 1)}", ")") if col else ("", "")
+        lines = ([f"{opener}len[0"] + [""] * (end_lineno - lineno - 1)
+                 + [f"{' ' * (end_col - 1)}]{closer}"])
+        source = "\n" * (lineno - first) + "\n".join(lines)
+        code = compile(source, filename, "exec", dont_inherit=True)
+        return code.replace(co_name=name, co_firstlineno=first)
     if span is not None and span[1] > span[0]:
         col, width = span[0], span[1] - span[0]
     else:
@@ -230,7 +240,24 @@ def _frame_code(filename, name, firstlineno, lineno, span):
     line = f"({' ' * (col - 1)}{undefined})" if col else undefined
     source = "\n" * (lineno - first) + line
     code = compile(source, filename, "exec", dont_inherit=True)
+    if sys.version_info < (3, 10):
+        # Before 3.10, lines are deltas from co_firstlineno, and the compiler starts a
+        # module's code at its first statement: moving co_firstlineno to the `def` line
+        # would move the failing line there too. Say again where it is.
+        return code.replace(co_name=name, co_firstlineno=first,
+                            co_lnotab=_lnotab_at(lineno - first))
     return code.replace(co_name=name, co_firstlineno=first)
+
+
+def _lnotab_at(delta: int) -> bytes:
+    """A co_lnotab that puts every instruction `delta` lines below co_firstlineno: one
+    entry can move at most 127 lines, so a long way takes several."""
+    out = bytearray()
+    while delta > 127:
+        out += bytes((0, 127))
+        delta -= 127
+    out += bytes((0, delta))
+    return bytes(out)
 
 
 def _rebuild_traceback(frames):
@@ -243,7 +270,7 @@ def _rebuild_traceback(frames):
         else:
             try:
                 exec(code, {"__name__": module, "__file__": filename}, dict(hide))  # noqa: S102
-            except NameError:
+            except (NameError, TypeError):
                 tb = sys.exc_info()[2].tb_next
             else:  # pragma: no cover - the code above always raises
                 continue

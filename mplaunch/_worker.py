@@ -146,7 +146,7 @@ def _run_and_report(spec, fds: dict) -> int:
         _send_exception(sock, exc, exitcode, show=False)  # as python does for exit(n)
         return exitcode
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt and pytest outcomes too
-        _send_exception(sock, exc, EXIT_ERROR)
+        _send_exception(sock, exc, EXIT_ERROR, hint=_spawn_style_hint(exc))
         return EXIT_ERROR
     try:
         data, tensor_fds = _serialize.dumps_result(value)
@@ -184,14 +184,41 @@ def _send_raw(sock, data: bytes, fds) -> None:
         pass  # the parent is gone; the death signal will end us
 
 
-def _send_exception(sock, exc: BaseException, exitcode: int, show: bool = True) -> None:
+_SPAWN_HINT = (
+    "[mplaunch] the function is called with args and kwargs only: unlike "
+    "torch.multiprocessing.spawn, mplaunch passes no rank argument. Read the rank from "
+    "the RANK environment variable (LOCAL_RANK on this node), or call "
+    "torch.distributed.get_rank() after init_process_group().")
+
+
+def _spawn_style_hint(exc: BaseException):
+    """The hint for a function written for torch.multiprocessing.spawn, fn(rank, ...):
+    only for a missing argument of the call to the function itself. No frame below ours
+    means the call failed while binding its arguments, before the function ran; a
+    TypeError from deeper inside is the user's own."""
+    tb = exc.__traceback__
+    if (type(exc) is TypeError and tb is not None and tb.tb_next is None
+            and tb.tb_frame.f_code is _run_and_report.__code__
+            and "required positional argument" in str(exc)):
+        return _SPAWN_HINT
+    return None
+
+
+def _send_exception(sock, exc: BaseException, exitcode: int, show: bool = True,
+                    hint=None) -> None:
     from ._serialize import pack_exception
     tb = exc.__traceback__
     while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
                               or tb.tb_frame.f_code.co_filename == "<frozen runpy>"):
         tb = tb.tb_next  # our own frames say nothing about the user's failure
     exc.__traceback__ = tb
+    if hint:
+        # A note on the cause (Python shows it under the exception from 3.11 on), and a
+        # line of the message, so str(WorkerError) says it under every Python.
+        exc.__notes__ = [*getattr(exc, "__notes__", ()), hint]
     blob, type_name, message, tb_text = pack_exception(exc)
+    if hint:
+        message = f"{message}\n{hint}"
     if show:
         sys.stderr.write(tb_text)
     _send(sock, ("err", blob, type_name, message, tb_text, exitcode, time.time()))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import signal as _signal
 from typing import Dict, List, Optional
 
+from . import _stacks
+
 __all__ = [
     "MPLaunchError",
     "WorkerError",
@@ -42,7 +44,8 @@ class RankFailure:
     ``exitcode`` is the process exit code (negative for a signal, as in
     :attr:`multiprocessing.Process.exitcode`); ``signal`` its name ("SIGSEGV") or None;
     ``exc_type`` and ``message`` describe the exception the rank raised (None if it
-    raised none); ``traceback`` is the worker's formatted traceback text;
+    raised none); ``traceback`` is the worker's formatted traceback text, and
+    ``location`` where in the user's code it raised ("train.py:7 in train");
     ``stderr_tail`` the last lines the rank wrote to stderr; ``attempt`` the restart
     attempt (0 for the first run); ``timestamp`` when the failure was observed
     (``time.time()`` in the worker when it raised, else in the parent).
@@ -82,7 +85,9 @@ class RankFailure:
     __hash__ = None  # mutable record
 
     def describe(self) -> str:
-        """One line: what happened to this rank."""
+        """One line: what happened to this rank. For an exception: its type, the first
+        line of its message, where it was raised (:attr:`location`) and, for
+        ``SystemExit``, the exit code."""
         who = f"rank {self.rank}"
         if self.pid is not None:
             who += f" (pid {self.pid}"
@@ -91,8 +96,15 @@ class RankFailure:
             who += ")"
         if self.exc_type is not None:
             what = f"raised {self.exc_type}"
-            if self.message:
-                what += f": {self.message}"
+            head = _first_line(self.message)[0]
+            if head:
+                what += f": {head}"
+            where = self.location
+            facts = [f"exit code {self.exitcode}"] if self.exc_type == "SystemExit" else []
+            if where:
+                facts.append(f"at {where}")
+            if facts:
+                what += f" ({', '.join(facts)})"
         elif self.signal is not None:
             what = f"was killed by {self.signal} (exit code {self.exitcode})"
         elif self.message:
@@ -104,6 +116,16 @@ class RankFailure:
         return f"{who} {what}"
 
     __str__ = describe
+
+    @property
+    def location(self) -> Optional[str]:
+        """'train.py:7 in train': where the rank raised, read from its traceback (the
+        innermost frame of the user's code; see ``describe``); None without one."""
+        site = _stacks.failure_site(self.traceback)
+        if site is None:
+            return None
+        file, line, func = site
+        return f"{_stacks.short_path(file)}:{line} in {func}"
 
     def __repr__(self):
         return f"<RankFailure {self.describe()}>"
@@ -155,6 +177,9 @@ class WorkerError(MPLaunchError):
         lines = [first.describe()]
         if self.note:
             lines[0] += f" {self.note}"
+        if first.exc_type is not None:
+            # describe() keeps to the message's first line; the rest is said here.
+            lines.extend(_first_line(first.message)[1])
         others = self.failures[1:]
         if others:
             lines.append(f"{len(others)} more rank(s) failed after it: "
@@ -175,6 +200,14 @@ class WorkerError(MPLaunchError):
                  self.__dict__))
 
 
+def _first_line(message: Optional[str]):
+    """(first line, [the other lines]) of a possibly multi-line message."""
+    if not message:
+        return message, []
+    head, *more = message.splitlines() or [""]
+    return head, more
+
+
 def _rebuild_worker_error(cls, failures, previous, note, state):
     err = cls.__new__(cls)
     WorkerError.__init__(err, failures, previous, note)
@@ -185,19 +218,25 @@ def _rebuild_worker_error(cls, failures, previous, note, state):
 class LaunchTimeout(WorkerError, TimeoutError):
     """The launch ran past its ``timeout``.
 
-    ``stacks`` maps each rank that was still running to the text of its Python stack
-    (all threads) at the moment the time ran out; the message shows the innermost
-    frames of each, with source lines, so the rank that never reached a collective
-    stands out. ``timeout`` is the limit in seconds.
+    ``stacks`` maps each rank that was still running to where it was when the time ran
+    out, as the message shows it: the innermost frames of each thread, main thread
+    first, with source lines and without mplaunch's own frames. So the rank that never
+    reached a collective stands out: compare ``stacks[0]`` with ``stacks[1]``.
+    ``raw_stacks`` holds the full faulthandler dump of each rank (every frame of every
+    thread). ``timeout`` is the limit in seconds.
     """
 
     __module__ = "mplaunch"
 
     def __init__(self, failures, timeout=None, stacks: Optional[Dict[int, str]] = None,
                  summary: Optional[str] = None, previous_attempts=None):
+        # `stacks` is what the ranks sent: raw dumps. The readable texts are derived
+        # here, so every way of building one (launch, unpickling) agrees with its message.
         self.timeout = timeout
-        self.stacks = dict(stacks or {})
-        self.summary = summary
+        self.raw_stacks = dict(stacks or {})
+        self.stacks = {rank: _stacks.readable_stack(text)
+                       for rank, text in self.raw_stacks.items()}
+        self.summary = _stacks.summarize_stacks(self.raw_stacks) if summary is None else summary
         WorkerError.__init__(self, failures, previous_attempts)
 
     def _message(self) -> str:
@@ -208,13 +247,13 @@ class LaunchTimeout(WorkerError, TimeoutError):
 
     def __reduce__(self):
         return (_rebuild_timeout,
-                (type(self), self.failures, self.timeout, self.stacks, self.summary,
+                (type(self), self.failures, self.timeout, self.raw_stacks, self.summary,
                  self.previous_attempts, self.__dict__))
 
 
-def _rebuild_timeout(cls, failures, timeout, stacks, summary, previous, state):
+def _rebuild_timeout(cls, failures, timeout, raw_stacks, summary, previous, state):
     err = cls.__new__(cls)
-    LaunchTimeout.__init__(err, failures, timeout, stacks, summary, previous)
+    LaunchTimeout.__init__(err, failures, timeout, raw_stacks, summary, previous)
     err.__dict__.update(state)
     return err
 

@@ -22,13 +22,16 @@ import sys
 import tempfile
 import time
 
-import nbformat
 import psutil
 import pytest
-from jupyter_client.kernelspec import KernelSpecManager
-from nbclient import NotebookClient
-from nbformat.v4 import new_code_cell, new_notebook
-from traitlets.config import Config
+
+pytest.importorskip("nbclient")  # the notebook tests need the [test] extra
+
+import nbformat  # noqa: E402
+from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
+from nbclient import NotebookClient  # noqa: E402
+from nbformat.v4 import new_code_cell, new_notebook  # noqa: E402
+from traitlets.config import Config  # noqa: E402
 
 import mplaunch
 

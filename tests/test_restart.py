@@ -5,9 +5,10 @@ import sys
 import threading
 
 import pytest
-import torch
 
 import mplaunch
+
+torch = pytest.importorskip("torch")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import restart_training  # noqa: E402

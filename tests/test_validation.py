@@ -14,6 +14,11 @@ import mplaunch
 from mplaunch import _group, _procs
 
 
+# Input is checked before torch is imported: these run under every Python that
+# setup.cfg claims (.ci/other-pythons.sh), but for the few that get as far as ranks.
+pytestmark = pytest.mark.no_torch
+
+
 def ok(*args, **kwargs):
     return "ran"
 
@@ -86,6 +91,7 @@ def test_args_not_a_sequence(refuses, args):
 def test_list_args_are_fine_up_to_the_rank(refuses):
     """The guard itself: valid input gets as far as starting ranks, and the fixture
     notices. Without this, every test here could pass for the wrong reason."""
+    pytest.importorskip("torch")  # launches ranks
     with pytest.raises(AssertionError, match="starting ranks"):
         refuses(ValueError, "never", args=[1, 2])
 
@@ -108,6 +114,7 @@ def test_unknown_start_method(refuses, method):
 
 
 def test_fork_refused_once_cuda_is_initialised(refuses, monkeypatch):
+    pytest.importorskip("torch")  # launches ranks
     monkeypatch.setattr(_procs, "cuda_initialized", lambda: True)
     err = refuses(RuntimeError, "start_method='fork' is refused: CUDA",
                   start_method="fork")
@@ -213,6 +220,7 @@ def test_unpicklable_generator_argument(refuses):
 # -- the rendezvous port -----------------------------------------------------------------
 
 def test_master_port_in_use(refuses):
+    pytest.importorskip("torch")  # launches ranks
     taken = socket.socket()
     try:
         taken.bind(("127.0.0.1", 0))
