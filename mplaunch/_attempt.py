@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ._config import LaunchConfig, RankSpec
 from ._group import RankGroup
@@ -29,43 +29,67 @@ class Attempt:
         self.signal_received: Optional[int] = None
         self.timed_out = False
         self.stacks: Dict[int, str] = {}   # global rank -> raw dump, on a timeout
+        self.time_limit = cfg.timeout       # the one that ran out, on a timeout
+        self.stop_asked = False
+        self.stop_grace: Optional[float] = None
+        self.stopped: List[int] = []       # ranks still running when a stop was applied
 
     def on_signal(self, signo: int) -> None:
-        """Called from a signal handler (or another thread): record, and let run() act.
-        The same signal twice: stop waiting for the grace period."""
+        """Called from a signal handler (or another thread): record, and let the loop
+        act. The same signal twice: stop waiting for the grace period."""
         if self.signal_received is not None and signo == self.signal_received:
             self.group.hurry()
         self.signal_received = signo
         self.waker.wake()
 
-    def run(self) -> None:
-        """Returns once every rank of this node is gone (and, with several nodes, the
-        nodes agree on the outcome)."""
-        group, nodes = self.group, self.nodes
-        deadline = None if self.cfg.timeout is None else time.monotonic() + self.cfg.timeout
+    def request_stop(self, grace_period: Optional[float] = None) -> None:
+        """From any thread: tear down as on a failure (Handle.stop, World.close)."""
+        self.stop_grace = grace_period
+        self.stop_asked = True
+        self.waker.wake()
+
+    def run(self, on_started: Optional[Callable[[], None]] = None) -> None:
+        """Start the ranks and return once every one of them is gone (and, with several
+        nodes, the nodes agree on the outcome)."""
         try:
-            group.start()
-            while group.running:
-                wait = None
-                if deadline is not None and not group.stopping:
-                    wait = max(0.0, deadline - time.monotonic())
-                if nodes is not None:
-                    # Network state has no fd to wait on.
-                    wait = POLL_INTERVAL if wait is None else min(wait, POLL_INTERVAL)
-                group.wait(wait)
-                if nodes is not None:
-                    self._watch_nodes()
-                if self.signal_received is not None and not group.stopping:
-                    group.stop(self.signal_received)
-                if (deadline is not None and not group.stopping and group.running
-                        and time.monotonic() >= deadline):
-                    self.timed_out = True
-                    self.stacks = collect_stacks(group)
-                    group.stop(signal.SIGTERM)
+            self.group.start()
+            if on_started is not None:
+                on_started()
+            self.drive()
         finally:
-            group.close()
-        if nodes is not None:
-            nodes.settle(self, self._report, self.waker.sleep)
+            self.group.close()
+        if self.nodes is not None:
+            self.nodes.settle(self, self._report, self.waker.sleep)
+
+    def drive(self, until: Optional[Callable[[], bool]] = None,
+              timeout: Optional[float] = None) -> None:
+        """Handle events until the group has ended, or `until()` holds; a `timeout`
+        (default: the launch's) collects every rank's stack and tears down."""
+        group, nodes = self.group, self.nodes
+        timeout = self.cfg.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while group.running and not (until is not None and until()):
+            wait = None
+            if deadline is not None and not group.stopping:
+                wait = max(0.0, deadline - time.monotonic())
+            if nodes is not None:
+                # Network state has no fd to wait on.
+                wait = POLL_INTERVAL if wait is None else min(wait, POLL_INTERVAL)
+            group.wait(wait)
+            if nodes is not None:
+                self._watch_nodes()
+            if group.stopping:
+                continue
+            if self.signal_received is not None:
+                group.stop(self.signal_received)
+            elif self.stop_asked:
+                self.stopped = [r.spec.rank for r in group.ranks if r.alive]
+                group.stop(signal.SIGTERM, self.stop_grace)
+            elif (deadline is not None and group.running
+                    and time.monotonic() >= deadline):
+                self.timed_out, self.time_limit = True, timeout
+                self.stacks = collect_stacks(group)
+                group.stop(signal.SIGTERM)
 
     def _watch_nodes(self) -> None:
         group, nodes = self.group, self.nodes

@@ -48,6 +48,47 @@ def send_framed(sock: socket.socket, data: bytes, fds=()) -> None:
     sock.sendall(data)
 
 
+def recv_framed(sock: socket.socket):
+    """Block for one framed message on a blocking stream socket: (data, fds), or
+    (None, []) at EOF."""
+    header, fds = _recv_exactly(sock, _HEADER.size)
+    if header is None:
+        return None, []
+    size, _nfds = _HEADER.unpack(header)
+    data, more = _recv_exactly(sock, size) if size else (b"", [])
+    if data is None:
+        fds, more = fds + more, []
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    return data, fds + more
+
+
+def _recv_exactly(sock: socket.socket, n: int):
+    buf = bytearray()
+    fds: list = []
+    fdsize = array.array("i").itemsize
+    while len(buf) < n:
+        data, anc, _flags, _addr = sock.recvmsg(n - len(buf),
+                                                socket.CMSG_SPACE(_MAX_FDS * fdsize))
+        fds.extend(_fds_in(anc))
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            return None, []
+        buf += data
+    return bytes(buf), fds
+
+
+def _fds_in(ancillary) -> list:
+    fdsize = array.array("i").itemsize
+    fds = array.array("i")
+    for level, kind, cdata in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(cdata[:len(cdata) - (len(cdata) % fdsize)])
+    return list(fds)
+
+
 class FramedReader:
     """Non-blocking reader of framed messages from one stream socket."""
 
@@ -72,11 +113,7 @@ class FramedReader:
                 break
             except ConnectionResetError:
                 data, anc = b"", []
-            for level, kind, cdata in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds = array.array("i")
-                    fds.frombytes(cdata[:len(cdata) - (len(cdata) % fdsize)])
-                    self._fds.extend(fds)
+            self._fds.extend(_fds_in(anc))
             if not data:
                 self.eof = True
                 break

@@ -104,6 +104,7 @@ class RankSpec:
     sys_path: Tuple[str, ...]
     script: Optional[Script] = None
     fresh_interpreter: bool = False    # start_method="spawn": exec a new Python
+    serve: bool = False                # stays up for more calls (a World's rank)
 
     def prefix(self, template: str) -> str:
         """The relay prefix of this rank's lines, from the launch's template."""
@@ -114,7 +115,7 @@ class RankSpec:
 
 
 def rank_specs(cfg: LaunchConfig, attempt: int, port: int,
-               store_address: Optional[str]) -> List[RankSpec]:
+               store_address: Optional[str], serve: bool = False) -> List[RankSpec]:
     """The specs of this node's ranks for one attempt (each attempt has its own keys in
     the store and its own RESTART_COUNT)."""
     base = dict(os.environ)
@@ -133,7 +134,8 @@ def rank_specs(cfg: LaunchConfig, attempt: int, port: int,
         specs.append(RankSpec(rank=rank, local_rank=lr, node_rank=cfg.node_rank,
                               hostname=host, env=env, cwd=cwd, sys_path=path,
                               script=cfg.script,
-                              fresh_interpreter=cfg.start_method == "spawn"))
+                              fresh_interpreter=cfg.start_method == "spawn",
+                              serve=serve))
     return specs
 
 
@@ -147,7 +149,7 @@ def validate(func: Callable[..., Any], args: Any, nprocs: Any,
     if unknown:
         raise TypeError(_unknown_option_message(unknown[0]))
     o = dict(OPTION_DEFAULTS, **options)
-    _check_call(func, args, o["kwargs"])
+    check_call(func, args, o["kwargs"])
     nprocs = resolve_nprocs(nprocs)
     nnodes, node_rank, master_addr, master_port = node_layout(
         o["nnodes"], o["node_rank"], o["master_addr"], o["master_port"])
@@ -165,8 +167,8 @@ def validate(func: Callable[..., Any], args: Any, nprocs: Any,
         nprocs=nprocs, nnodes=nnodes, node_rank=node_rank,
         start_method=_start_method(o["start_method"]),
         master_addr=master_addr, master_port=master_port,
-        grace_period=float(_seconds("grace_period", o["grace_period"])),
-        timeout=_seconds("timeout", o["timeout"], optional=True),
+        grace_period=float(seconds("grace_period", o["grace_period"])),
+        timeout=seconds("timeout", o["timeout"], optional=True),
         max_restarts=max_restarts,
         preload=_preload(o["preload"]),
         prefix=_prefix(o["prefix"]),
@@ -218,7 +220,8 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _check_call(func, args, kwargs) -> None:
+def check_call(func, args, kwargs) -> None:
+    """func is callable, args a tuple or list, kwargs a dict of str keys or None."""
     if not callable(func):
         raise TypeError(f"func must be callable, got {type(func).__name__} {func!r}; pass "
                         "the function itself, not the result of calling it")
@@ -277,7 +280,7 @@ def _start_method(start_method) -> str:
     return start_method
 
 
-def _seconds(name: str, value, optional: bool = False):
+def seconds(name: str, value, optional: bool = False):
     if value is None and optional:
         return None
     if (not isinstance(value, numbers.Real) or isinstance(value, bool)

@@ -18,7 +18,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from . import _procs, _sys
-from ._channel import RANK_FDS, recv_obj, send_obj
+from ._channel import RANK_FDS, recv_obj, send_framed, send_obj
 from ._config import LaunchConfig, RankSpec
 from ._output import StreamRelay, read_pipe
 from ._ranks import RankState, drain_outputs
@@ -106,6 +106,25 @@ class RankGroup:
         self._by_pid[pid] = r
         if self.stopping:
             self._signal(self.stop_signal, [r])
+
+    # -- calls (a World's ranks stay up between them) ----------------------------------
+    def call(self, payload_fd: int) -> None:
+        """Ask every rank to run the payload in `payload_fd` next; wait() until
+        ``replied``."""
+        for r in self.ranks:
+            r.has_result, r.result = False, None
+            send_framed(r.reader.sock, b"c", [payload_fd])
+
+    @property
+    def replied(self) -> bool:
+        return all(r.has_result for r in self.ranks)
+
+    def relay_to(self, stdout, stderr) -> None:
+        """Relay the ranks' output to these streams from now on."""
+        for r in self.ranks:
+            for relay, sink in ((r.out, stdout), (r.err, stderr)):
+                if relay is not None and relay.sink is not None:
+                    relay.retarget(sink)
 
     # -- waiting ---------------------------------------------------------------------
     def wait(self, timeout: Optional[float]) -> None:
@@ -238,10 +257,13 @@ class RankGroup:
         exitcode, signo = _sys.describe_status(status)
         if r.error is not None or self.stopping:
             return
-        if r.has_result and exitcode == 0:
+        if r.has_result and exitcode == 0 and not r.spec.serve:
             return
         if signo is not None:
             failure = self._record(r, exitcode=exitcode, signal=signal_name(signo))
+        elif r.spec.serve:
+            failure = self._record(r, exitcode=exitcode, message=f"exited with code "
+                                   f"{exitcode} while its World was up")
         elif exitcode == 0:
             failure = self._record(r, exitcode=0, message="exited with code 0 without "
                                    "returning a result (did it call os._exit(0)?)")

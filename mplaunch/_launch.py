@@ -3,8 +3,9 @@ up to max_restarts), return the results or raise."""
 from __future__ import annotations
 
 import os
-from typing import (Any, Callable, Iterable, List, Mapping, Optional, Sequence, TypeVar,
-                    Union)
+import threading
+from typing import (Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence,
+                    TypeVar, Union)
 
 from . import _procs, _signals, _store, _sys
 from ._attempt import Attempt
@@ -125,12 +126,31 @@ class Run:
     """One launch from its first rank to its outcome: the payload, the store, and the
     attempts. Signals to this process are forwarded to the current attempt."""
 
-    def __init__(self, cfg: LaunchConfig, payload: bytes):
+    def __init__(self, cfg: LaunchConfig, payload: bytes, forward_signals: bool = True):
         self.cfg = cfg
         self.payload = payload
+        self.forward_signals = forward_signals  # else the caller forwards (Handle.wait)
         self.attempt: Optional[Attempt] = None
         self.signal_received: Optional[int] = None
+        self.stop_asked = False
+        self.stop_grace: Optional[float] = None
+        self.started = threading.Event()   # the first attempt's ranks all have pids
         self.waker = _signals.Waker()
+        self._pids: Dict[int, int] = {}
+
+    @property
+    def pids(self) -> Dict[int, int]:
+        """{rank: pid} of the current (else the last) attempt's ranks."""
+        attempt = self.attempt
+        return attempt.group.pids if attempt is not None else dict(self._pids)
+
+    def stop(self, grace_period: Optional[float] = None) -> None:
+        """From any thread: end the current attempt as on a failure, and start no
+        other."""
+        self.stop_grace, self.stop_asked = grace_period, True
+        attempt = self.attempt
+        if attempt is not None:
+            attempt.request_stop(grace_period)
 
     def on_signal(self, signo: int) -> None:
         """From a signal handler or another thread: the current attempt stops."""
@@ -153,7 +173,7 @@ class Run:
                     try:
                         return self._attempt(number, payload_fd, hosted)
                     except WorkerError as err:
-                        if number >= cfg.max_restarts:
+                        if number >= cfg.max_restarts or self.stop_asked:
                             if previous:
                                 err.previous_attempts = previous + err.previous_attempts
                                 err.args = (err._message(),)
@@ -175,9 +195,15 @@ class Run:
         attempt = Attempt(cfg, number, rank_specs(cfg, number, hosted.port, hosted.address),
                           payload_fd, self.waker, watch)
         self.attempt = attempt
+        if self.stop_asked:
+            attempt.request_stop(self.stop_grace)
         try:
-            with _signals.forwarding(self.on_signal):
-                attempt.run()
+            if self.forward_signals:
+                with _signals.forwarding(self.on_signal):
+                    attempt.run(self.started.set)
+            else:
+                attempt.run(self.started.set)
         finally:
+            self._pids = attempt.group.pids
             self.attempt = None
         return results_or_raise(attempt)

@@ -23,6 +23,8 @@ def results_or_raise(attempt) -> List[Any]:
     if attempt.signal_received is not None:
         raise MainProcessError(attempt.signal_received, attempt.cfg.nprocs)
     nodes = attempt.nodes
+    if attempt.stopped and not attempt.group.failures:
+        raise WorkerError([_stopped_record(attempt, rank) for rank in attempt.stopped])
     if attempt.group.failures or attempt.timed_out or (
             nodes is not None and nodes.remote_node is not None):
         raise error_for(attempt)
@@ -50,7 +52,7 @@ def error_for(attempt) -> WorkerError:
     if user_file and failures:
         write_error_file(user_file, failures[0])
     if attempt.timed_out:
-        err = LaunchTimeout(failures or [_timeout_record(attempt)], cfg.timeout,
+        err = LaunchTimeout(failures or [_timeout_record(attempt)], attempt.time_limit,
                             attempt.stacks, summarize_stacks(attempt.stacks))
     else:
         err = WorkerError(failures, note=f"[on node {cfg.node_rank}]"
@@ -93,10 +95,18 @@ def _with_cause(err: WorkerError, error_msg) -> WorkerError:
     return err
 
 
+def _stopped_record(attempt, rank: int) -> RankFailure:
+    r = attempt.group.ranks[rank - attempt.cfg.global_rank(0)]
+    return RankFailure(rank, r.pid, None, None, message="was stopped before it returned "
+                       "(stop() was called)", attempt=attempt.number,
+                       timestamp=attempt.group.stop_wall, local_rank=r.local_rank,
+                       node_rank=r.spec.node_rank, hostname=r.spec.hostname)
+
+
 def _timeout_record(attempt) -> RankFailure:
     stuck: Optional[int] = min(attempt.stacks) if attempt.stacks else None
     first = attempt.group.ranks[0].spec
     return RankFailure(first.rank if stuck is None else stuck, None, None, None,
                        exc_type=None,
-                       message=f"was still running after {attempt.cfg.timeout:g} s",
+                       message=f"was still running after {attempt.time_limit:g} s",
                        attempt=attempt.number, timestamp=time.time())

@@ -68,16 +68,12 @@ class StreamRelay:
     """One stream of one rank: feed() it what the pipe gave, close() it at EOF."""
 
     def __init__(self, sink, prefix: str, logfile=None, keep_tail: bool = False):
-        self.sink = sink
         self.prefix = prefix.encode("utf-8")
         self._nlp = b"\n" + self.prefix
         self.logfile = logfile
         self.keep_tail = keep_tail
         self._tail = bytearray()
-        self._bytes = _byte_sink(sink) if sink is not None else None
-        # Bytes written under the text layer must show as soon as text would.
-        self._flush_each = bool(getattr(sink, "line_buffering", False)
-                                or getattr(sink, "write_through", False))
+        self.retarget(sink)
         # The line being received: the text after its last \r (all of it if none).
         self._pending = bytearray()
         # Whether that line has had a \r (it is a progress bar), what its latest
@@ -85,6 +81,15 @@ class StreamRelay:
         self._progress = False
         self._state = b""
         self._drawn = None
+
+    def retarget(self, sink) -> None:
+        """Relay to `sink` from now on (a World's run from another notebook cell, or
+        under another test's capture)."""
+        self.sink = sink
+        self._bytes = _byte_sink(sink) if sink is not None else None
+        # Bytes written under the text layer must show as soon as text would.
+        self._flush_each = bool(getattr(sink, "line_buffering", False)
+                                or getattr(sink, "write_through", False))
 
     # -- input ---------------------------------------------------------------------
     def feed(self, data: bytes) -> None:

@@ -20,13 +20,15 @@ FORWARDED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "S
 
 
 @contextlib.contextmanager
-def forwarding(on_signal):
+def forwarding(on_signal, warn: bool = True):
     """Within the block, the signals in FORWARDED call on_signal(signo) instead of their
-    usual handlers."""
+    usual handlers. Outside the main thread nothing is installed (Python runs handlers
+    there alone); `warn` says so in the log."""
     if threading.current_thread() is not threading.main_thread():
-        log.warning("mplaunch.launch is running outside the main thread: signals to this "
-                    "process are not forwarded to the ranks (they are still torn down "
-                    "if this process dies)")
+        if warn:
+            log.warning("mplaunch.launch is running outside the main thread: signals to "
+                        "this process are not forwarded to the ranks (they are still "
+                        "torn down if this process dies)")
         yield False
         return
     previous = {}

@@ -125,11 +125,21 @@ def _kill_descendants() -> None:
 
 def _run_and_report(spec, fds: dict) -> int:
     import socket
-
-    from . import _serialize
     sock = socket.socket(fileno=fds["result"])
     payload = _sys.read_all_fd(fds["payload"])
     os.close(fds["payload"])
+    code = _call_and_report(sock, spec, payload)
+    if spec.serve:
+        # A World's rank: more calls follow, until the parent ends the world.
+        from ._serve import serve
+        return serve(sock, lambda payload: _call_and_report(sock, spec, payload))
+    return code
+
+
+def _call_and_report(sock, spec, payload: bytes) -> int:
+    """Run what `payload` holds (or the spec's script), send one message: the result or
+    the exception. Returns the exit code that outcome calls for."""
+    from . import _serialize
     exitcode = 0
     try:
         if spec.script is not None:
@@ -198,7 +208,7 @@ def _spawn_style_hint(exc: BaseException):
     TypeError from deeper inside is the user's own."""
     tb = exc.__traceback__
     if (type(exc) is TypeError and tb is not None and tb.tb_next is None
-            and tb.tb_frame.f_code is _run_and_report.__code__
+            and tb.tb_frame.f_code is _call_and_report.__code__
             and "required positional argument" in str(exc)):
         return _SPAWN_HINT
     return None

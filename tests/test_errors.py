@@ -25,7 +25,8 @@ from mplaunch.errors import signal_name
 pytestmark = pytest.mark.no_torch
 
 PUBLIC = {
-    "launch", "WorkerError", "MainProcessError", "LaunchTimeout", "RankFailure",
+    "launch", "start", "Handle", "World", "rank_state",
+    "WorkerError", "MainProcessError", "LaunchTimeout", "RankFailure",
     "RemoteException", "MPLaunchError", "__version__",
 }
 ERROR_TYPES = [mplaunch.WorkerError, mplaunch.LaunchTimeout, mplaunch.MainProcessError,

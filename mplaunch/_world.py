@@ -1,0 +1,201 @@
+"""mplaunch.World: ranks that stay up between calls, for notebooks and test suites.
+
+A World is one Attempt whose ranks serve calls (_serve) instead of running one function
+and exiting. Each run() is a call driven to its replies by the same loop launch() uses,
+so failures, timeouts, signals, output and teardown behave as for launch(). A run that
+fails tears the world down; the next run starts fresh ranks.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import sys
+import weakref
+from typing import Any, Callable, List, Mapping, Optional, Sequence, TypeVar
+
+from . import _procs, _signals, _store, _sys
+from ._attempt import Attempt
+from ._config import LaunchConfig, check_call, rank_specs, seconds, validate, with_streams
+from ._outcome import results_or_raise
+from ._serialize import dumps_payload
+
+log = logging.getLogger("mplaunch")
+T = TypeVar("T")
+
+_open: "weakref.WeakSet[World]" = weakref.WeakSet()
+
+
+def _setup_rank(backend: Optional[str]) -> None:
+    if backend:
+        import torch.distributed as dist
+        dist.init_process_group(backend)
+
+
+class World:
+    """``nprocs`` ranks started once and kept up: ``run(func)`` calls ``func`` in every
+    rank and returns the list of results, as :func:`mplaunch.launch` would, but the
+    processes, their module globals, :func:`mplaunch.rank_state` and (with
+    ``backend=``) the process group stay for the next ``run``.
+
+    Takes the keyword arguments of :func:`mplaunch.launch` (``timeout`` applies to each
+    run). The ranks start at the first ``run`` (or ``start()``); with ``backend`` each
+    has called ``torch.distributed.init_process_group(backend)`` before it. A failing
+    run raises as ``launch`` does and tears the world down; the next ``run`` starts
+    fresh ranks. ``restart()`` does so on purpose. ``close()`` (or leaving the ``with``
+    block) ends every process; a world left open is closed at interpreter exit.
+    """
+
+    __module__ = "mplaunch"
+
+    def __init__(self, nprocs: Any = 1, backend: Optional[str] = None, **options: Any):
+        if "kwargs" in options:
+            raise TypeError("World takes no kwargs=; pass them to run()")
+        self.cfg: LaunchConfig = validate(_setup_rank, (backend,), nprocs, options)
+        if self.cfg.nnodes > 1:
+            raise ValueError("a World runs on one node; for several nodes use launch()")
+        if self.cfg.max_restarts:
+            raise ValueError("a World does not restart on its own: after a failed run the "
+                             "next run() starts fresh ranks; leave max_restarts at 0")
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(f"backend must be a str such as 'gloo' or 'nccl', or None, "
+                            f"got {backend!r}")
+        self.backend = backend
+        self._attempt: Optional[Attempt] = None
+        self._stack: Optional[contextlib.ExitStack] = None
+        self._waker: Optional[_signals.Waker] = None
+        self._generation = 0       # how many times ranks were started
+        self._closed = False
+        _open.add(self)
+
+    # -- public ----------------------------------------------------------------------
+    @property
+    def pids(self):
+        """{rank: pid} of the running ranks ({} before the first run)."""
+        return self._attempt.group.pids if self._attempt is not None else {}
+
+    @property
+    def nprocs(self) -> int:
+        return self.cfg.nprocs
+
+    def start(self) -> "World":
+        """Start the ranks now (else the first run() does)."""
+        if self._closed:
+            raise RuntimeError("this World is closed; make a new one")
+        if self._attempt is None:
+            self._start()
+        return self
+
+    def run(self, func: Callable[..., T], args: Sequence[Any] = (),
+            kwargs: Optional[Mapping[str, Any]] = None,
+            timeout: Optional[float] = None) -> List[T]:
+        """Call ``func(*args, **kwargs)`` in every rank; the results by rank. Raises
+        :class:`~mplaunch.WorkerError`, :class:`~mplaunch.LaunchTimeout` or
+        :class:`~mplaunch.MainProcessError` as ``launch`` does, after tearing the world
+        down."""
+        check_call(func, args, kwargs)
+        timeout = seconds("timeout", timeout, optional=True)
+        payload = dumps_payload(func, args, kwargs or {})
+        self.start()
+        return self._call(payload, timeout)
+
+    def restart(self) -> "World":
+        """End the ranks and start fresh ones."""
+        self._stop()
+        return self.start()
+
+    def close(self) -> None:
+        """End every rank and release the store's port. Idempotent."""
+        self._closed = True
+        self._stop()
+
+    def __enter__(self) -> "World":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = ("closed" if self._closed else f"up, pids {self.pids}" if self._attempt
+                 else "not started")
+        return f"<mplaunch.World nprocs={self.nprocs} backend={self.backend!r} {state}>"
+
+    # -- the ranks ---------------------------------------------------------------------
+    def _start(self) -> None:
+        cfg = with_streams(self.cfg)
+        stack = contextlib.ExitStack()
+        try:
+            hosted = stack.enter_context(_store.hosted(cfg))
+            waker = _signals.Waker()
+            stack.callback(waker.close)
+            for fd in (waker.r, waker.w):
+                _procs.own_fd(fd)
+                stack.callback(_procs.disown_fd, fd)
+            setup = _sys.memfd_with(dumps_payload(_setup_rank, (self.backend,), {}),
+                                    "mplaunch-payload")
+            stack.callback(_close_quiet, setup)
+            _procs.get_server(cfg.server_preload).wait_ready()
+            specs = rank_specs(cfg, self._generation, hosted.port, hosted.address,
+                               serve=True)
+            attempt = Attempt(cfg, self._generation, specs, setup, waker)
+            self._generation += 1
+            stack.callback(attempt.group.close)
+            attempt.group.start()
+        except BaseException:
+            stack.close()
+            raise
+        self._attempt, self._stack, self._waker = attempt, stack, waker
+        self._wait_replies(attempt, None)   # every rank has run its setup
+
+    def _call(self, payload: bytes, timeout: Optional[float]) -> list:
+        attempt = self._attempt
+        attempt.group.relay_to(sys.stdout, sys.stderr)
+        fd = _sys.memfd_with(payload, "mplaunch-payload")
+        try:
+            attempt.group.call(fd)
+        except OSError:
+            pass  # a rank is gone: the loop below finds out which, and why
+        finally:
+            _close_quiet(fd)
+        return self._wait_replies(attempt, timeout)
+
+    def _wait_replies(self, attempt: Attempt, timeout: Optional[float]) -> list:
+        group = attempt.group
+        try:
+            with _signals.forwarding(attempt.on_signal, warn=False):
+                attempt.drive(until=lambda: group.replied and not group.stopping,
+                              timeout=timeout)
+        except BaseException:
+            self._stop()
+            raise
+        if group.running and not group.stopping:
+            return [r.result for r in group.ranks]
+        self._stop()
+        log.warning("mplaunch.World: a failed run tore the world's %d ranks down; the "
+                    "next run() starts fresh ranks", self.nprocs)
+        return results_or_raise(attempt)
+
+    def _stop(self) -> None:
+        attempt, stack = self._attempt, self._stack
+        self._attempt = self._stack = None
+        if attempt is None:
+            return
+        try:
+            attempt.group.stop()
+            attempt.drive()          # SIGTERM, then SIGKILL after the grace period
+        finally:
+            stack.close()            # the group, the setup memfd, the waker, the store
+
+
+def _close_quiet(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+@atexit.register
+def _close_open_worlds() -> None:
+    for world in list(_open):
+        world.close()
