@@ -15,6 +15,7 @@ from ._env import rank_env, user_env_for
 from ._monitor import Attempt
 from ._output import write_error_file
 from ._serialize import dumps_payload
+from ._terminal import check_stdin_rank
 from . import _sys
 from .errors import LaunchTimeout, MainProcessError, WorkerError
 
@@ -46,6 +47,7 @@ def launch(
     log_dir: Optional[str] = None,
     nnodes: Optional[int] = None,
     node_rank: Optional[int] = None,
+    stdin_rank: Optional[int] = 0,
     _script: Optional[tuple] = None,
 ) -> List[Any]:
     """Run ``func(*args, **kwargs)`` in ``nprocs`` new processes and return their results.
@@ -104,6 +106,10 @@ def launch(
             ``node_rank``; node 0 hosts the store. Global rank = ``node_rank * nprocs +
             local_rank``. Inside an ``srun`` step (one task per node) they are read
             from SLURM when not given. Each node returns its own ranks' results.
+        stdin_rank: the rank that reads this process's stdin when that is a terminal,
+            so ``breakpoint()`` and ``input()`` work there; ``None`` for none. The other
+            ranks, and every rank when stdin is not a terminal (pytest, a notebook, a
+            CI job), read ``/dev/null``.
 
     Raises:
         WorkerError: a rank failed; the first failure's details are its attributes and
@@ -116,6 +122,7 @@ def launch(
                     master_port, grace_period, timeout, max_restarts, preload, prefix,
                     relay, ranks_filter, log_dir, nnodes, node_rank)
     cfg.script = _script
+    cfg.stdin_rank = check_stdin_rank(stdin_rank)
     payload = b"" if _script else dumps_payload(func, args, kwargs or {})
     # Every rank's extra environment is computed (and checked) before anything starts.
     cfg.user_envs = [user_env_for(env, cfg.node_rank * cfg.nprocs + lr)

@@ -10,7 +10,7 @@ import socket
 import time
 from typing import Dict, List, Optional
 
-from . import _procs, _sys
+from . import _procs, _sys, _terminal
 from ._channel import RANK_FDS, FramedReader, recv_obj, send_obj
 from ._output import StreamRelay, read_pipe, set_pipe_size, summarize_tail
 from ._serialize import loads_result, unpack_exception
@@ -137,7 +137,8 @@ class Attempt:
         r.out_fd, r.err_fd, r.stack_fd = out_r, err_r, stack_r
         r.out = self._relay(r.rank, "stdout")
         r.err = self._relay(r.rank, "stderr")
-        child_fds = [self.payload_fd, res_child.fileno(), out_w, err_w, stack_w]
+        extra_fds, spec = _terminal.for_rank(cfg, spec, r.out, r.err)
+        child_fds = [self.payload_fd, res_child.fileno(), out_w, err_w, stack_w, *extra_fds]
         try:
             if cfg.start_method == "fork":
                 fdmap = dict(zip(RANK_FDS, child_fds))
