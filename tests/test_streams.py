@@ -10,10 +10,8 @@ import ctypes
 import os
 import re
 import select
-import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -232,8 +230,9 @@ def test_breakpoint_without_a_terminal_is_skipped_with_a_note(capfd):
     assert mplaunch.launch(breakpoint_without_terminal, nprocs=2) == ["went on"] * 2
     err = capfd.readouterr().err
     for r in (0, 1):
-        assert f"[rank{r}]: mplaunch: breakpoint() skipped in rank {r}, which has no " \
-               f"terminal to read (launch(..., stdin_rank={r}) gives it the terminal)" in err
+        assert (f"[rank{r}]: mplaunch: breakpoint() skipped in rank {r}, which has no "
+                f"terminal to read (launch(..., stdin_rank={r}) gives it the terminal)"
+                in err)
 
 
 def test_stdin_rank_chooses_the_rank_that_reads_and_none_gives_none(pty_run):
@@ -266,7 +265,8 @@ def test_without_a_terminal_ranks_see_pipes_and_dev_null(tmp_path):
                           env=dict(os.environ, PYTHONPATH=ROOT, NO_COLOR="1"))
     assert proc.returncode == 0, proc.stderr
     for r in result_of(proc.stdout):
-        assert (r["stdin"], r["stdout"], r["stderr"], r["NO_COLOR"]) == (False, False, False, "1")
+        assert (r["stdin"], r["stdout"], r["stderr"]) == (False, False, False)
+        assert r["NO_COLOR"] == "1"
         assert r["columns"] is None
 
 
@@ -413,7 +413,7 @@ def test_a_prompt_shows_at_once_and_its_answer_continues_it(terminal):
     r1 = StreamRelay(terminal, "[1]: ")
     r0.show_prompts()  # rank 0 reads the terminal
     r1.feed(b"\r5%")
-    r0.feed(b"line\n(Pdb) ")    # the line goes above rank 1's bar; the prompt takes its place
+    r0.feed(b"line\n(Pdb) ")    # the line goes above rank 1's bar; the prompt replaces it
     r1.feed(b"\r6%")            # waits
     r1.feed(b"\nother\n")       # goes above the prompt, which is drawn again
     r0.feed(b"82\n(Pdb) ")      # the answer continues the prompt's line
@@ -446,3 +446,9 @@ def test_a_sink_that_is_no_terminal_gets_no_erasing_and_no_prompts():
     r1.close()
     assert sink.getvalue() == ("[0]: 10%\r[1]: 50%\n[1]: hello\n[0]: 10%\r"
                                "[0]: 10%\n[0]: name? bob\n")
+
+
+@pytest.mark.parametrize("bad", [-1, True, "0", 1.0])
+def test_stdin_rank_must_be_a_rank_or_none(bad):
+    with pytest.raises(ValueError, match="stdin_rank must be a rank number"):
+        mplaunch.launch(print, stdin_rank=bad)
