@@ -16,8 +16,10 @@ import struct
 
 _HEADER = struct.Struct("!QQ")
 
-# The fds a rank is started with, in the order they travel with a start request.
-RANK_FDS = ("payload", "result", "stdout", "stderr", "stack")
+# The fds a rank is started with, in the order they travel with a start request. The
+# last, stdin, is sent only to the rank that reads the launching process's terminal; the
+# others open /dev/null themselves.
+RANK_FDS = ("payload", "result", "stdout", "stderr", "stack", "stdin")
 _MAX_FDS = 250  # below SCM_MAX_FD
 
 

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tupl
 from . import _procs
 from ._env import cpu_count, rank_env, user_env_for
 from ._slurm import layout as slurm_layout
+from ._terminal import check_stdin_rank
 
 START_METHODS = ("forkserver", "spawn", "fork")
 DEFAULT_PREFIX = "[rank{rank}]: "
@@ -41,6 +42,7 @@ OPTION_DEFAULTS: Dict[str, Any] = {
     "log_dir": None,
     "nnodes": None,
     "node_rank": None,
+    "stdin_rank": 0,
 }
 
 
@@ -71,6 +73,7 @@ class LaunchConfig:
     ranks_filter: Optional[FrozenSet[int]]
     log_dir: Optional[str]
     user_envs: Tuple[Dict[str, str], ...]   # the user's extra variables, by local rank
+    stdin_rank: Optional[int] = 0           # the rank that may read this terminal
     script: Optional[Script] = None
     # Where relayed output goes: the streams current when launch() was called (in a
     # notebook, the calling cell's).
@@ -105,6 +108,8 @@ class RankSpec:
     script: Optional[Script] = None
     fresh_interpreter: bool = False    # start_method="spawn": exec a new Python
     serve: bool = False                # stays up for more calls (a World's rank)
+    # {"stdout": bool, "stderr": bool}: whether each relayed stream ends on a terminal
+    terminal: Optional[Dict[str, bool]] = None
 
     def prefix(self, template: str) -> str:
         """The relay prefix of this rank's lines, from the launch's template."""
@@ -175,7 +180,7 @@ def validate(func: Callable[..., Any], args: Any, nprocs: Any,
         relay=bool(o["relay"]),
         ranks_filter=_ranks_filter(o["ranks_filter"]),
         log_dir=None if log_dir is None else os.fspath(log_dir),
-        user_envs=user_envs, script=script,
+        user_envs=user_envs, stdin_rank=check_stdin_rank(o["stdin_rank"]), script=script,
         stdout=sys.stdout, stderr=sys.stderr)
 
 

@@ -38,6 +38,7 @@ def launch(
     log_dir: Optional[str] = None,
     nnodes: Optional[int] = None,
     node_rank: Optional[int] = None,
+    stdin_rank: Optional[int] = 0,
 ) -> List[T]:
     """Run ``func(*args, **kwargs)`` in ``nprocs`` new processes and return their results.
 
@@ -99,6 +100,10 @@ def launch(
             ``node_rank``; node 0 hosts the store. Global rank = ``node_rank * nprocs +
             local_rank``. Inside an ``srun`` step (one task per node) they are read
             from SLURM when not given. Each node returns its own ranks' results.
+        stdin_rank: the rank that reads this process's stdin when that is a terminal,
+            so ``breakpoint()`` and ``input()`` work there; ``None`` for none. The other
+            ranks, and every rank when stdin is not a terminal (pytest, a notebook, a
+            CI job), read ``/dev/null``.
 
     Raises:
         WorkerError: a rank failed; the first failure's details are its attributes and

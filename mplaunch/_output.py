@@ -6,6 +6,11 @@ Only whole lines reach the sink, each in one write together with its prefix, so 
 of different ranks never mix. A progress bar that redraws its line after ``\\r`` is
 shown in place: its latest state is written as ``prefix + state + "\\r"``, and when its
 line ends, the final state is written once more as an ordinary line.
+
+Ranks share a terminal (stdout and stderr of every rank end on the same screen), and a
+terminal line can show one thing at a time. So one relay at a time draws an open line
+there (a progress bar, or a prompt waiting for input), and the others' bars wait their
+turn instead of taking turns on that line; lines written meanwhile go above it.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import os
 import re
 import time
 import warnings
+import weakref
 from typing import Optional
 
 _TAIL_BYTES = 256 * 1024
@@ -64,6 +70,48 @@ def _whole_chars(buf: bytes) -> bytes:
     return buf
 
 
+class _Screen:
+    """What the relays writing to one terminal (or to one other sink) share: which of
+    them has an open line drawn at its bottom, the others' lines going above it.
+
+    Only one: two ranks' bars drawn in turn on one line flicker between them and neither
+    is readable. The others' bars wait (their final state is still printed when they
+    end); when the drawn one ends, the first waiting one, in rank order, is drawn."""
+
+    def __init__(self, key, ansi: bool):
+        self.key = key
+        # A terminal: lines can be erased ("\\x1b[K"), so an open line can be taken off
+        # and drawn again below what others write, and a prompt can be shown.
+        self.ansi = ansi
+        self.relays: list = []   # weak references, in the order the relays were made
+        self._owner = None
+
+    @property
+    def owner(self):
+        return self._owner() if self._owner is not None else None
+
+    @owner.setter
+    def owner(self, relay) -> None:
+        self._owner = weakref.ref(relay) if relay is not None else None
+
+
+_screens: dict = {}
+
+
+def _screen_for(sink) -> _Screen:
+    key, tty = ("sink", id(sink)), False
+    try:
+        if sink.isatty():
+            # stdout and stderr (and any other object) on the same terminal: one screen.
+            key, tty = ("tty", os.fstat(sink.fileno()).st_rdev), True
+    except (AttributeError, OSError, ValueError):
+        pass
+    screen = _screens.get(key)
+    if screen is None:
+        screen = _screens[key] = _Screen(key, tty and os.environ.get("TERM") != "dumb")
+    return screen
+
+
 class StreamRelay:
     """One stream of one rank: feed() it what the pipe gave, close() it at EOF."""
 
@@ -81,6 +129,35 @@ class StreamRelay:
         self._progress = False
         self._state = b""
         self._drawn = None
+        self._screen = None
+        if sink is not None:
+            self._screen = _screen_for(sink)
+            self._screen.relays.append(weakref.ref(self))
+        # Show an unfinished line at once (see show_prompts), and what of it is shown.
+        self._prompts = False
+        self._shown = None
+
+    @property
+    def is_terminal(self) -> bool:
+        """Whether what this relay writes ends on a terminal."""
+        return self._screen is not None and self._screen.key[0] == "tty"
+
+    def terminal_size(self):
+        """The size of the terminal this relay writes to (os.terminal_size), or None."""
+        if not self.is_terminal:
+            return None
+        try:
+            return os.get_terminal_size(self.sink.fileno())
+        except (AttributeError, OSError, ValueError):
+            return None
+
+    def show_prompts(self) -> None:
+        """This rank reads the terminal: show a line it has not finished as soon as it
+        arrives (a prompt: ``input("name? ")``, pdb's ``(Pdb) ``), where the user's
+        typing will be echoed, instead of waiting for its end like any other line.
+        Only on a terminal: nobody can answer a prompt in a file."""
+        if self._screen is not None and self._screen.ansi:
+            self._prompts = True
 
     def retarget(self, sink) -> None:
         """Relay to `sink` from now on (a World's run from another notebook cell, or
@@ -103,6 +180,14 @@ class StreamRelay:
                 del self._tail[:-_TAIL_BYTES]
         if self.sink is None:
             return
+        if self._shown is not None:
+            data = self._continue_prompt(data)
+        if data:
+            self._relay(data)
+        if self._prompts and self._pending and not self._progress and self.sink is not None:
+            self._show_prompt()
+
+    def _relay(self, data: bytes) -> None:
         cr = data.rfind(b"\r")
         cut = max(data.rfind(b"\n"), cr)
         if cut < 0:
@@ -170,11 +255,92 @@ class StreamRelay:
             self._write(b"".join(out))
 
     def _draw(self) -> None:
-        """Show the open progress line's latest state in place, once per change."""
+        """Show the open progress line's latest state in place, once per change, if the
+        screen's open line is ours to draw."""
         now = _whole_chars(bytes(self._pending)) or self._state
-        if now and now != self._drawn:
-            self._drawn = now
-            self._write(self.prefix + now + b"\r")
+        if not now or now == self._drawn:
+            return
+        screen = self._screen
+        owner = screen.owner
+        if owner is None:
+            screen.owner = self
+        elif owner is not self:
+            return  # another rank's bar or prompt is drawn; ours waits its turn
+        self._drawn = now
+        # With erase-to-end, a shorter state leaves nothing of the longer one behind it.
+        self._put(self.prefix + now + (b"\x1b[K\r" if screen.ansi else b"\r"))
+
+    # -- the screen's open line ------------------------------------------------------
+    def _hide(self) -> None:
+        """Take our drawn line off the screen; the cursor is left at its start."""
+        if self._screen.ansi:
+            self._put(b"\r\x1b[K")
+
+    def _redraw(self) -> None:
+        if self._shown is not None:
+            self._put(self.prefix + self._shown)
+        elif self._drawn is not None:
+            self._put(self.prefix + self._drawn + (b"\x1b[K\r" if self._screen.ansi
+                                                   else b"\r"))
+
+    def _release(self) -> None:
+        """Our open line has ended: the first other relay with a bar open draws it."""
+        screen = self._screen
+        if screen is None or screen.owner is not self:
+            return
+        screen.owner = None
+        for ref in screen.relays:
+            relay = ref()
+            if relay is not None and relay is not self and relay._progress \
+                    and relay.sink is not None:
+                relay._drawn = None
+                relay._draw()
+                if screen.owner is not None:
+                    break
+
+    def _show_prompt(self) -> None:
+        """Show the unfinished line, taking the screen from a bar if need be: someone is
+        perhaps expected to answer it."""
+        screen = self._screen
+        owner = screen.owner
+        if owner is not None and owner is not self:
+            if owner._shown is not None:
+                # The other stream's prompt stays as it is; the rest of its line will
+                # come as a whole line of its own.
+                owner._put(b"\n")
+                owner._shown = None
+            else:
+                owner._hide()
+                owner._drawn = None  # drawn again when the screen is its turn
+        screen.owner = self
+        self._shown = _whole_chars(bytes(self._pending))
+        self._put(self.prefix + self._shown)
+
+    def _continue_prompt(self, data: bytes) -> bytes:
+        """More of the line shown as a prompt: write it after what is shown, as a
+        plain pipe would (the user's answer was echoed there). Return what follows the
+        line's end, to be relayed as usual."""
+        nl = data.find(b"\n")
+        cr = data.find(b"\r")
+        if cr >= 0 and (nl < 0 or cr < nl):
+            # Not a prompt but a progress bar: take it off; the line is relayed as one.
+            self._hide()
+            self._shown = None
+            self._screen.owner = None
+            return data
+        if nl < 0 and len(self._pending) + len(data) <= _MAX_PENDING:
+            self._pending += data
+            now = _whole_chars(bytes(self._pending))
+            self._put(now[len(self._shown):])
+            self._shown = now
+            return b""
+        end = len(data) if nl < 0 else nl
+        line = bytes(self._pending) + data[:end]
+        self._put(line[len(self._shown):] + b"\n")
+        self._pending = bytearray()
+        self._shown = None
+        self._release()
+        return data[end + 1:]
 
     def _split_long_line(self) -> None:
         # Memory stays bounded for output that never ends its line; the pieces are
@@ -188,6 +354,24 @@ class StreamRelay:
 
     # -- output --------------------------------------------------------------------
     def _write(self, out) -> None:
+        """Write whole lines: above the open line another relay has drawn, or over our
+        own bar when these lines end it."""
+        if not out:
+            return
+        screen = self._screen
+        owner = screen.owner if screen is not None else None
+        if owner is None:
+            self._put(out)
+        elif owner is self:
+            self._put(b"\r\x1b[K" + out if screen.ansi else out)
+            if not self._progress:
+                self._release()
+        else:
+            owner._hide()
+            self._put(out)
+            owner._redraw()
+
+    def _put(self, out) -> None:
         if not out:
             return
         sink = self.sink
@@ -213,15 +397,23 @@ class StreamRelay:
                 sink.write(text.encode(enc, "backslashreplace").decode(enc))
         except Exception:  # noqa: BLE001 - a closed or broken sink must not stop the launch
             self.sink = self._bytes = None
+            if self._screen is not None and self._screen.owner is self:
+                self._screen.owner = None
 
     def close(self) -> None:
         """End of the stream: a last line without its newline is written as a line."""
         if self.sink is not None:
+            if self._shown is not None:
+                self._put(bytes(self._pending)[len(self._shown):] + b"\n")
+                self._pending = bytearray()
+                self._shown = None
             last = bytes(self._pending) or (self._state if self._progress else b"")
+            self._progress = False
             if last:
                 self._write(self.prefix + last + b"\n")
         self._pending = bytearray()
         self._progress, self._state, self._drawn = False, b"", None
+        self._leave_screen()
         if self.sink is not None:
             try:
                 self.sink.flush()
@@ -230,6 +422,16 @@ class StreamRelay:
         if self.logfile is not None:
             self.logfile.close()
             self.logfile = None
+
+    def _leave_screen(self) -> None:
+        screen = self._screen
+        if screen is None:
+            return
+        self._release()
+        screen.relays = [ref for ref in screen.relays if ref() not in (None, self)]
+        if not screen.relays and _screens.get(screen.key) is screen:
+            del _screens[screen.key]
+        self._screen = None
 
     def tail_text(self) -> str:
         return bytes(self._tail[-_TAIL_BYTES:]).decode("utf-8", "replace")

@@ -217,10 +217,13 @@ def fork_rank(spec, fdmap: dict) -> int:
             run_rank(spec, fdmap, parent)
         finally:
             os._exit(1)
-    try:
-        os.setpgid(pid, pid)
-    except OSError:
-        pass
+    if fdmap.get("stdin") is None:
+        # (A rank that reads the terminal makes itself a session leader instead, which
+        # it cannot do once it leads a group.)
+        try:
+            os.setpgid(pid, pid)
+        except OSError:
+            pass
     return pid
 
 

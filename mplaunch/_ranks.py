@@ -12,6 +12,7 @@ from . import _procs
 from ._channel import FramedReader
 from ._config import LaunchConfig, RankSpec
 from ._output import StreamRelay, read_pipe, set_pipe_size
+from ._terminal import for_rank
 
 
 class RankState:
@@ -64,7 +65,9 @@ class RankState:
         self.out = self._relay(cfg, attempt, "stdout")
         self.err = self._relay(cfg, attempt, "stderr")
         self._child_ends = [res_child, out_w, err_w, stack_w]
-        return [payload_fd, res_child.fileno(), out_w, err_w, stack_w]
+        # The terminal's part: stdin for the rank that reads it, and what it is told.
+        extra_fds, self.spec = for_rank(cfg, self.spec, self.out, self.err)
+        return [payload_fd, res_child.fileno(), out_w, err_w, stack_w, *extra_fds]
 
     def close_child_ends(self) -> None:
         """Once the rank has its copies (or could not be started)."""

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
-import io
 import os
 import signal
 import sys
 import time
 
-from . import _sys
+from . import _streams, _sys
 from ._channel import send_framed
 
 # Sent by the parent to ask a rank for its Python stack (a C-level handler: it answers
@@ -31,11 +30,9 @@ _TERMINATION_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGCHLD", "SI
                         "SIGUSR1", "SIGUSR2")
 
 
-def _take_over_process(fds: dict, expected_ppid: int) -> None:
-    try:
-        os.setpgid(0, 0)  # lead our own group: teardown signals reach our descendants too
-    except OSError:
-        pass
+def _take_over_process(fds: dict, expected_ppid: int, terminal: dict,
+                       unbuffered: bool) -> None:
+    _lead_own_group(fds.get("stdin"))
     _sys.set_pdeathsig(signal.SIGKILL)
     if os.getppid() != expected_ppid:
         # Our parent died before the death signal was armed: nobody would ever kill us.
@@ -53,24 +50,30 @@ def _take_over_process(fds: dict, expected_ppid: int) -> None:
             signal.signal(signo, handler)
         except (OSError, ValueError):
             pass
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    os.dup2(fds["stdout"], 1)
-    os.dup2(fds["stderr"], 2)
-    for key in ("stdout", "stderr"):
-        if fds[key] > 2:
-            os.close(fds[key])
-    # Fresh Python streams over the new fds; anything buffered in the inherited objects
-    # belongs to another process and is dropped, not flushed.
-    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True,
-                                  errors="backslashreplace")
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True,
-                                  errors="backslashreplace")
-    sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
+    _streams.take_over(fds, terminal, unbuffered)
     faulthandler.enable(file=2, all_threads=True)
     faulthandler.register(STACK_SIGNAL, file=fds["stack"], all_threads=True, chain=False)
+
+
+def _lead_own_group(stdin) -> None:
+    """Lead our own process group, so that teardown signals reach our descendants too.
+
+    A rank that reads the terminal leads its own session as well: a process group of
+    the terminal's session that is not in the foreground is stopped (SIGTTIN) when it
+    reads it, and a rank forked by the launching process (start_method="fork") would
+    be one. In a session of its own the terminal is not its controlling one, and reads
+    are plain reads. (Ranks the server forks are in its session, which has no terminal.)
+    """
+    if stdin is not None and os.isatty(stdin):
+        try:
+            os.setsid()
+            return
+        except OSError:
+            pass  # already a group leader (our parent's setpgid came first)
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
 
 
 def _apply_spec(spec) -> None:
@@ -100,7 +103,9 @@ def run_rank(spec, fds: dict, expected_ppid: int):
     """Run one rank in this (new) process. Never returns."""
     code = EXIT_ERROR
     try:
-        _take_over_process(fds, expected_ppid)
+        terminal = spec.terminal or {}
+        _take_over_process(fds, expected_ppid, terminal,
+                           unbuffered=bool(spec.env.get("PYTHONUNBUFFERED")))
         _apply_spec(spec)
         code = _run_and_report(spec, fds)
     except BaseException:  # noqa: BLE001 - last resort: the parent sees the exit code
