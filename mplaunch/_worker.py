@@ -129,13 +129,16 @@ def _run_and_report(spec: dict, fds: dict) -> int:
     from . import _serialize
     sock = socket.socket(fileno=fds["result"])
     payload = _sys.read_all_fd(fds["payload"])
-    os.close(fds["payload"])
     exitcode = 0
     try:
         if spec.get("script") is not None:
+            os.close(fds["payload"])
             value = _run_script(spec["script"], spec.get("script_kind", "path"))
         else:
-            func, args, kwargs = _serialize.loads_payload(payload)
+            # The payload stays open: the rank's spawn and forkserver children read the
+            # definitions of its __main__ from it.
+            from ._rankmain import publish
+            func, args, kwargs = _serialize.loads_payload(payload, publish(fds["payload"]))
             del payload
             value = func(*args, **kwargs)
     except SystemExit as exc:
