@@ -9,7 +9,7 @@ reads it to find `P` there. So:
 
 - the launching process pickles the classes and functions of its `__main__` that the
   launch reaches *by value once*, in a part of the payload of their own, and everything
-  else refers to them by name (`_main_attr`);
+  else refers to them by name (`main_attr`);
 - the rank loads that part into a fresh module that becomes its `sys.modules["__main__"]`
   (also under `__mp_main__` when that was the launching process's name for it): the
   objects are found by name and are the very objects the rank's code uses, and the
@@ -32,7 +32,7 @@ import sys
 import types
 
 __all__ = ["MAIN_NAMES", "ENV", "main_qualname", "main_attr", "MainGlobals",
-           "become_main", "publish", "fill_child_main"]
+           "main_offset", "become_main", "publish", "fill_child_main"]
 
 # The names multiprocessing gives the main module (`__mp_main__` in its spawn and
 # forkserver children, where `__main__` is an alias of it).
@@ -88,18 +88,31 @@ class MainGlobals(dict):
         return _main_namespace, ()
 
 
-def become_main(stream, path: str) -> None:
-    """In a rank: make a fresh `__main__` and fill it from the first pickle of `stream`
-    (what `_serialize.dumps_payload` wrote there); the rank's children will read it
-    again from `path`. Must run before the rest of the payload is unpickled."""
-    main = types.ModuleType("__main__")
+class _RankMain(types.ModuleType):
+    def __repr__(self):
+        # What pickle's "Can't get attribute 'Q' on <module ...>" shows: the spec would
+        # make it mplaunch._mp_main, and say nothing of why Q is missing.
+        return "<module '__main__' (in an mplaunch rank: what the launch uses of it)>"
+
+
+def main_offset(payload) -> int:
+    """Where, in a payload from `_serialize.dumps_payload`, the pickle of the `__main__`
+    definitions starts (it ends 8 bytes before the end, which hold this offset)."""
+    return int.from_bytes(payload[-8:], "little")
+
+
+def become_main(data, path: str) -> None:
+    """In a rank: make a fresh `__main__` and fill it from `data` (the pickle of the
+    `__main__` definitions in the payload); the rank's children will read it again
+    from `path`. Must run before the rest of the payload is unpickled."""
+    main = _RankMain("__main__")
     main.__builtins__ = builtins
     # The spec is what multiprocessing's spawn and forkserver children rebuild
     # `__main__` from: our module, never the user's script.
     main.__spec__ = _child_main_spec()
     sys.modules["__main__"] = main
     os.environ.pop(ENV, None)  # a nested launch's value is not ours
-    part = pickle.load(stream)
+    part = pickle.loads(data)
     if part is None:  # nothing from `__main__` in this launch
         return
     names, attrs, objects = part
@@ -137,6 +150,8 @@ def fill_child_main(namespace: dict) -> None:
         return
     try:
         with open(path, "rb") as f:
+            f.seek(-8, os.SEEK_END)
+            f.seek(main_offset(f.read(8)))
             _filling = namespace
             try:
                 part = pickle.load(f)

@@ -34,26 +34,28 @@ def dumps_payload(func, args, kwargs) -> bytes:
     """Pickle what every rank runs, once. On failure, name the piece that would not
     pickle, so the user knows what to change.
 
-    Two pickles, one after the other: first the classes and functions of `__main__`
-    that the launch reaches, by value (the rank makes them its `__main__`, and the
-    rank's own children load them again: see _rankmain), then the function, its
-    arguments and the sources of unsaved code, which name those by reference."""
+    Two pickles, then the offset of the second: the function, its arguments and the
+    sources of unsaved code, which name the classes and functions of `__main__` they
+    reach; then those, by value (the rank makes them its `__main__` before it loads
+    the first pickle, and the rank's own children load them too: see _rankmain).
+    This order writes each byte once: no copy of a large payload to put one first."""
     try:
         main = sys.modules.get("__main__")
-        body = io.BytesIO()
-        pickler = _PayloadPickler(body, main, by_name=True)
+        out = io.BytesIO()
+        pickler = _PayloadPickler(out, main, by_name=True)
         pickler.dump((func, tuple(args), dict(kwargs), _unsaved_sources(func)))
-        head = io.BytesIO()
+        head_at = out.tell()
         if pickler.found:
             names = tuple(n for n in _rankmain.MAIN_NAMES if sys.modules.get(n) is main)
             attrs = {k: vars(main)[k] for k in ("__file__", "__package__")
                      if k in vars(main)}
             with _by_value(main):
-                _PayloadPickler(head, main, by_name=False).dump(
+                _PayloadPickler(out, main, by_name=False).dump(
                     (names, attrs, pickler.found))
         else:
-            pickle.dump(None, head, protocol=pickle.HIGHEST_PROTOCOL)
-        return b"".join((head.getbuffer(), body.getbuffer()))
+            pickle.dump(None, out, protocol=pickle.HIGHEST_PROTOCOL)
+        out.write(head_at.to_bytes(8, "little"))
+        return out.getvalue()
     except Exception as exc:  # noqa: BLE001
         culprit = None
         problem = _pickling_problem(func)
@@ -81,11 +83,10 @@ def dumps_payload(func, args, kwargs) -> bytes:
 
 
 def loads_payload(data: bytes, main_path: str):
-    """In a rank: make `__main__` from the payload's first pickle (its children will
+    """In a rank: make `__main__` from the payload's second pickle (its children will
     read that again from `main_path`), then return (func, args, kwargs)."""
-    stream = io.BytesIO(data)
-    _rankmain.become_main(stream, main_path)
-    func, args, kwargs, sources = pickle.load(stream)
+    _rankmain.become_main(memoryview(data)[_rankmain.main_offset(data):-8], main_path)
+    func, args, kwargs, sources = pickle.loads(data)  # stops at the first pickle's end
     import linecache
     for filename, lines in sources.items():
         linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
@@ -115,18 +116,26 @@ class _PayloadPickler(cloudpickle.Pickler):
             self.globals_ref[id(vars(main))] = self._main_globals
 
     def reducer_override(self, obj):
-        if isinstance(obj, types.FunctionType):
+        # Called for nearly every object of the payload: the common case (neither a
+        # function nor a class) must cost one type check.
+        t = type(obj)
+        if t is types.FunctionType:
             g = obj.__globals__
             # `__mp_main__` functions' globals are a copy of that module's dict.
             if id(g) not in self.globals_ref and g.get("__name__") in _rankmain.MAIN_NAMES:
                 self.globals_ref[id(g)] = self._main_globals
-        if self._by_name and isinstance(obj, (type, types.FunctionType)):
+        elif not issubclass(t, type):
+            return _cloudpickle_reduce(self, obj)
+        if self._by_name:
             qualname = _rankmain.main_qualname(obj, self._main)
             if qualname is not None:
                 top = qualname.partition(".")[0]
                 self.found[top] = vars(self._main)[top]
                 return _rankmain.main_attr, (qualname,)
-        return super().reducer_override(obj)
+        return _cloudpickle_reduce(self, obj)
+
+
+_cloudpickle_reduce = cloudpickle.Pickler.reducer_override
 
 
 @contextlib.contextmanager

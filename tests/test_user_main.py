@@ -54,8 +54,10 @@ POOL_RESULT = {"pickle": 3, **{ctx: [101, 104, 109] for ctx in ALL_CONTEXTS.spli
 def test_main_classes_and_functions_pickle_by_reference_in_ranks_and_pool_workers(
         tmp_path, method, as_c):
     result, pids, out = _run(tmp_path, "pool.py", method, ALL_CONTEXTS, as_c=as_c)
-    # pickle.dumps(P(3)) in the rank, and Pool(2).map(square) with each start method.
-    assert result["ranks"] == [POOL_RESULT, POOL_RESULT], out
+    # pickle.dumps(P(3)) in the rank, and Pool(2).map(square) with each start method;
+    # and __file__ is the script's, as in the launching process.
+    expected = dict(POOL_RESULT, file="-" if as_c else "pool.py")
+    assert result["ranks"] == [expected, expected], out
     # What a rank returns is of the launching process's own class.
     assert result["same_class"] == [True, True], out
     assert len(pids) == 1, (pids, out)  # nobody ran the script's top level again
@@ -88,6 +90,28 @@ def test_launch_from_a_child_of_multiprocessing_spawn_or_forkserver(tmp_path, co
     assert result == [10, 11], out
 
 
+LIMIT = """
+import pickle, mplaunch
+class Q:
+    pass
+def load(blob):
+    return pickle.loads(blob)
+try:
+    mplaunch.launch(load, args=(pickle.dumps(Q()),), nprocs=1, relay=False)
+except mplaunch.WorkerError as err:
+    print("RESULT " + repr(str(err.__cause__)))
+"""
+
+
+def test_main_definitions_the_launch_does_not_reach_are_not_in_the_ranks_main(tmp_path):
+    # docs/errors.rst: Q travels only inside bytes pickled here, so no rank has it.
+    proc = subprocess.run([sys.executable, "-c", LIMIT], capture_output=True, text=True,
+                          timeout=120, cwd=str(tmp_path), stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ("RESULT \"Can't get attribute 'Q' on <module '__main__' (in an mplaunch "
+            "rank: what the launch uses of it)>\"") in proc.stdout.splitlines(), proc.stdout
+
+
 NOTEBOOK_CELLS = [
     "import json, multiprocessing, os, pickle\nimport mplaunch",
     # The same definitions as scripts_main/pool.py, typed into a cell.
@@ -101,7 +125,8 @@ NOTEBOOK_CELLS = [
     "    return x * x + OFFSET\n"
     "\n"
     "def work(contexts):\n"
-    "    out = {'pickle': pickle.loads(pickle.dumps(P(3))).x}\n"
+    "    out = {'pickle': pickle.loads(pickle.dumps(P(3))).x,\n"
+    "           'file': os.path.basename(globals().get('__file__', '-'))}\n"
     "    for ctx in contexts:\n"
     "        with multiprocessing.get_context(ctx).Pool(2) as pool:\n"
     "            out[ctx] = pool.map(square, [1, 2, 3])\n"
@@ -159,5 +184,6 @@ def test_cell_classes_and_functions_pickle_by_reference_in_ranks_and_their_child
         assert len(lines) == 1, cell.outputs
         return json.loads(lines[0][len("RESULT "):])
 
-    assert result(nb.cells[2]) == {m: [POOL_RESULT, True] for m in METHODS}
+    expected = dict(POOL_RESULT, file="-")
+    assert result(nb.cells[2]) == {m: [expected, True] for m in METHODS}
     assert result(nb.cells[3]) == [[[0, 100], [400, 900]]]

@@ -26,7 +26,8 @@ def square(x):
 
 
 def work(contexts):
-    out = {"pickle": pickle.loads(pickle.dumps(P(3))).x}
+    out = {"pickle": pickle.loads(pickle.dumps(P(3))).x,
+           "file": os.path.basename(globals().get("__file__", "-"))}
     for ctx in contexts:
         with multiprocessing.get_context(ctx).Pool(2) as pool:
             out[ctx] = pool.map(square, [1, 2, 3])
