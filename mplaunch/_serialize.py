@@ -2,6 +2,7 @@
 in the parent), and each rank's result or exception (with its chain and traceback frames)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import mmap
@@ -9,10 +10,12 @@ import os
 import pickle
 import sys
 import traceback as _tb
+import types
 from types import TracebackType
 
 import cloudpickle
 
+from . import _rankmain
 from .errors import RemoteException
 
 __all__ = ["dumps_payload", "loads_payload", "pack_exception", "unpack_exception",
@@ -29,10 +32,30 @@ def _pickling_problem(obj) -> str | None:
 
 def dumps_payload(func, args, kwargs) -> bytes:
     """Pickle what every rank runs, once. On failure, name the piece that would not
-    pickle, so the user knows what to change."""
+    pickle, so the user knows what to change.
+
+    Two pickles, then the offset of the second: the function, its arguments and the
+    sources of unsaved code, which name the classes and functions of `__main__` they
+    reach; then those, by value (the rank makes them its `__main__` before it loads
+    the first pickle, and the rank's own children load them too: see _rankmain).
+    This order writes each byte once: no copy of a large payload to put one first."""
     try:
-        return cloudpickle.dumps((func, tuple(args), dict(kwargs), _unsaved_sources(func)),
-                                 protocol=pickle.HIGHEST_PROTOCOL)
+        main = sys.modules.get("__main__")
+        out = io.BytesIO()
+        pickler = _PayloadPickler(out, main, by_name=True)
+        pickler.dump((func, tuple(args), dict(kwargs), _unsaved_sources(func)))
+        head_at = out.tell()
+        if pickler.found:
+            names = tuple(n for n in _rankmain.MAIN_NAMES if sys.modules.get(n) is main)
+            attrs = {k: vars(main)[k] for k in ("__file__", "__package__")
+                     if k in vars(main)}
+            with _by_value(main):
+                _PayloadPickler(out, main, by_name=False).dump(
+                    (names, attrs, pickler.found))
+        else:
+            pickle.dump(None, out, protocol=pickle.HIGHEST_PROTOCOL)
+        out.write(head_at.to_bytes(8, "little"))
+        return out.getvalue()
     except Exception as exc:  # noqa: BLE001
         culprit = None
         problem = _pickling_problem(func)
@@ -59,12 +82,76 @@ def dumps_payload(func, args, kwargs) -> bytes:
         ) from exc
 
 
-def loads_payload(data: bytes):
-    func, args, kwargs, sources = pickle.loads(data)
+def loads_payload(data: bytes, main_path: str):
+    """In a rank: make `__main__` from the payload's second pickle (its children will
+    read that again from `main_path`), then return (func, args, kwargs)."""
+    _rankmain.become_main(memoryview(data)[_rankmain.main_offset(data):-8], main_path)
+    func, args, kwargs, sources = pickle.loads(data)  # stops at the first pickle's end
     import linecache
     for filename, lines in sources.items():
         linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
     return func, args, kwargs
+
+
+class _PayloadPickler(cloudpickle.Pickler):
+    """cloudpickle, and two things about `__main__`:
+
+    - with `by_name`, a class or function found by name in `__main__` is written as a
+      reference to the rank's `__main__` (and collected in `found`, to go by value in
+      the payload's first pickle), so that the rank's objects and its `__main__`'s are
+      the same: pickle finds them there;
+    - the globals of functions defined in `__main__` become the `__main__` namespace
+      of the process that unpickles them (see _rankmain.MainGlobals).
+    """
+
+    def __init__(self, file, main, by_name: bool):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._main = main
+        self._by_name = by_name and main is not None
+        self.found: dict = {}
+        self._main_globals = _rankmain.MainGlobals()
+        if main is not None:
+            # cloudpickle gives all functions with the same globals one dict on the
+            # other side, created from what it finds here under the globals' id.
+            self.globals_ref[id(vars(main))] = self._main_globals
+
+    def reducer_override(self, obj):
+        # Called for nearly every object of the payload: the common case (neither a
+        # function nor a class) must cost one type check.
+        t = type(obj)
+        if t is types.FunctionType:
+            g = obj.__globals__
+            # `__mp_main__` functions' globals are a copy of that module's dict.
+            if id(g) not in self.globals_ref and g.get("__name__") in _rankmain.MAIN_NAMES:
+                self.globals_ref[id(g)] = self._main_globals
+        elif not issubclass(t, type):
+            return _cloudpickle_reduce(self, obj)
+        if self._by_name:
+            qualname = _rankmain.main_qualname(obj, self._main)
+            if qualname is not None:
+                top = qualname.partition(".")[0]
+                self.found[top] = vars(self._main)[top]
+                return _rankmain.main_attr, (qualname,)
+        return _cloudpickle_reduce(self, obj)
+
+
+_cloudpickle_reduce = cloudpickle.Pickler.reducer_override
+
+
+@contextlib.contextmanager
+def _by_value(main):
+    """cloudpickle pickles what `__main__` defines by value, but not what an importable
+    module defines: in a child of multiprocessing's spawn or forkserver, `__main__` is
+    the module `__mp_main__`, importable there and nowhere else."""
+    if (sys.modules.get("__mp_main__") is not main or not isinstance(main, types.ModuleType)
+            or main.__name__ in cloudpickle.list_registry_pickle_by_value()):
+        yield
+        return
+    cloudpickle.register_pickle_by_value(main)
+    try:
+        yield
+    finally:
+        cloudpickle.unregister_pickle_by_value(main)
 
 
 def _unsaved_sources(func) -> dict:

@@ -10,7 +10,6 @@ import os
 import socket
 from typing import Any, Callable, Dict, Optional
 
-from . import _sys
 from ._channel import recv_framed
 
 _state: Dict[str, Any] = {}
@@ -23,20 +22,26 @@ def rank_state() -> Dict[str, Any]:
     return _state
 
 
-def serve(sock: socket.socket, call: Callable[[bytes], int]) -> int:
-    """Run calls until the parent closes the socket; the exit code (0)."""
+def serve(sock: socket.socket, payload_fd: int, call: Callable[[int], int]) -> int:
+    """Run calls until the parent closes the socket; the exit code (0). `payload_fd` is
+    the first call's; each call's payload stays open until the next one's has replaced
+    it (the rank's children read its `__main__` definitions there)."""
     while True:
-        payload = _next_call(sock)
-        if payload is None:
+        fd = _next_call(sock)
+        if fd is None:
             return 0
-        call(payload)
+        call(fd)
+        os.close(payload_fd)
+        payload_fd = fd
 
 
-def _next_call(sock: socket.socket) -> Optional[bytes]:
-    """Block for the next call's payload; None once the parent has closed its end."""
+def _next_call(sock: socket.socket) -> Optional[int]:
+    """Block for the next call's payload fd; None once the parent has closed its end."""
     data, fds = recv_framed(sock)
-    try:
-        return _sys.read_all_fd(fds[0]) if data is not None and fds else None
-    finally:
+    if data is None or not fds:
         for fd in fds:
             os.close(fd)
+        return None
+    for fd in fds[1:]:
+        os.close(fd)
+    return fds[0]

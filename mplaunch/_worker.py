@@ -131,26 +131,28 @@ def _kill_descendants() -> None:
 def _run_and_report(spec, fds: dict) -> int:
     import socket
     sock = socket.socket(fileno=fds["result"])
-    payload = _sys.read_all_fd(fds["payload"])
-    os.close(fds["payload"])
-    code = _call_and_report(sock, spec, payload)
+    code = _call_and_report(sock, spec, fds["payload"])
     if spec.serve:
         # A World's rank: more calls follow, until the parent ends the world.
         from ._serve import serve
-        return serve(sock, lambda payload: _call_and_report(sock, spec, payload))
+        return serve(sock, fds["payload"], lambda fd: _call_and_report(sock, spec, fd))
     return code
 
 
-def _call_and_report(sock, spec, payload: bytes) -> int:
-    """Run what `payload` holds (or the spec's script), send one message: the result or
-    the exception. Returns the exit code that outcome calls for."""
+def _call_and_report(sock, spec, payload_fd: int) -> int:
+    """Run what the payload in `payload_fd` holds (or the spec's script), send one
+    message: the result or the exception. Returns the exit code that outcome calls for.
+    The payload stays open: the rank's spawn and forkserver children read the
+    definitions of its __main__ from it."""
     from . import _serialize
+    payload = _sys.read_all_fd(payload_fd)
     exitcode = 0
     try:
         if spec.script is not None:
             value = _run_script(spec.script.target, spec.script.kind)
         else:
-            func, args, kwargs = _serialize.loads_payload(payload)
+            from ._rankmain import publish
+            func, args, kwargs = _serialize.loads_payload(payload, publish(payload_fd))
             del payload
             value = func(*args, **kwargs)
     except SystemExit as exc:
