@@ -359,7 +359,9 @@ def work(x: int) -> int:
     return x
 
 try:
-    mplaunch.launch(work, (1,), nprocs=2)
+    reveal_type(mplaunch.launch(work, (1,), nprocs=2))
+    reveal_type(mplaunch.start(work, (1,), nprocs=2).result())
+    reveal_type(mplaunch.World(2).run(work, (1,)))
 except WorkerError as err:
     first: RankFailure = err.failures[0]
     reveal_type(err.failures)
@@ -394,4 +396,6 @@ def test_mypy_reads_the_installed_package(wheel, tmp_path):
     assert "py.typed" not in out and "import-untyped" not in out, out
     revealed = [t.replace("builtins.", "") for t in
                 re.findall(r'Revealed type is "([^"]+)"', out)]
-    assert revealed == ["list[mplaunch.errors.RankFailure]", "str"], out
+    # launch's, start's and World.run's results follow the function's return type.
+    assert revealed == ["list[int]", "list[int]", "list[int]",
+                        "list[mplaunch.errors.RankFailure]", "str"], out

@@ -232,3 +232,26 @@ def test_master_port_in_use(refuses):
         assert "master_port=None" in str(err)
     finally:
         taken.close()
+
+
+# -- the public signature ----------------------------------------------------------------
+
+def test_launch_shows_no_private_parameter():
+    # The command line enters through an internal function, not a hidden keyword.
+    import inspect
+    params = inspect.signature(mplaunch.launch).parameters
+    assert not [p for p in params if p.startswith("_")]
+    assert "_script" not in mplaunch.launch.__doc__
+
+
+def test_nprocs_auto_is_one_rank_per_cpu_without_gpus():
+    pytest.importorskip("torch")
+    from mplaunch._env import cpu_count
+    assert mplaunch.launch(os.getpid, nprocs="auto", preload=()).__len__() == cpu_count()
+
+
+def test_unknown_keyword_of_start_and_world_says_what_was_meant(refuses):
+    with pytest.raises(TypeError, match="did you mean 'timeout'"):
+        mplaunch.start(ok, (), 2, timout=3)
+    with pytest.raises(TypeError, match="did you mean 'grace_period'"):
+        mplaunch.World(2, grace_perod=3)
