@@ -13,11 +13,12 @@ import os
 import signal
 import sys
 import threading
-import traceback
 from typing import List, Optional, Sequence
 
 from . import _torchrun
-from ._config import Script, auto_nprocs, gpu_count, node_layout
+from ._cli_targets import UsageError, prepare
+from ._cli_report import Shown, exit_code_of, flush_stdout, report_failure, say
+from ._config import auto_nprocs, gpu_count
 from ._env import cpu_count
 
 EXIT_USAGE = 2
@@ -77,10 +78,6 @@ coming from torchrun:
 """
 
 
-class _UsageError(Exception):
-    pass
-
-
 def _on_signal(signo, _frame):
     # launch() has its own handlers while ranks run; this one covers the rest of the
     # command's life, when no rank exists. It must not raise: an exception thrown into
@@ -96,32 +93,6 @@ def _on_signal(signo, _frame):
     except OSError:
         pass
     os._exit(128 + signo)
-
-
-def _script_placeholder():  # pragma: no cover - never called: launch runs the script
-    raise RuntimeError("mplaunch: a script launch does not call its func")
-
-
-class EntryPoint:
-    """What each rank calls for `package.module:function`: imported by name in the rank
-    (so any callable works, picklable or not), with the command line in sys.argv."""
-
-    def __init__(self, module: str, attr: str, argv: List[str]):
-        self.module, self.attr, self.argv = module, attr, list(argv)
-
-    def __call__(self):
-        sys.argv[:] = self.argv
-        result = _resolve(self.module, self.attr)()
-        if isinstance(result, int) and not isinstance(result, bool) and result != 0:
-            raise SystemExit(result)
-        return None
-
-
-def _resolve(module: str, attr: str):
-    obj = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 # -- the command line ------------------------------------------------------------------
@@ -335,104 +306,6 @@ def parse_args(argv: Sequence[str]):
     return parser, ns
 
 
-# -- what to run -----------------------------------------------------------------------
-
-def _is_function_target(target: str) -> bool:
-    module, sep, attr = target.partition(":")
-    return (bool(sep) and all(p.isidentifier() for p in module.split("."))
-            and all(p.isidentifier() for p in attr.split("."))
-            and not os.path.exists(target))
-
-
-def _sys_path_for(kind: str) -> List[str]:
-    """The sys.path the ranks start from, as python would set it for the same target:
-    sys.path[0] is where this command was run from (its own script's directory, or the
-    current directory for python -m mplaunch), which is no business of the ranks'."""
-    path = list(sys.path)
-    if getattr(sys.flags, "safe_path", False):
-        return path
-    path = path[1:]
-    if kind != "path":
-        path.insert(0, os.getcwd())
-    # kind "path": the rank puts the script's directory first itself
-    return path
-
-
-def _check_module(name: str) -> None:
-    try:
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.submodule_search_locations is not None:
-            if importlib.util.find_spec(name + ".__main__") is None:
-                raise _UsageError(f"{name!r} is a package with no __main__ module, so it "
-                                  "cannot be run with -m")
-    except (ImportError, ValueError) as exc:
-        raise _UsageError(f"cannot run module {name!r}: {type(exc).__name__}: {exc}")
-    except _UsageError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - importing its package ran user code
-        traceback.print_exc()
-        raise _UsageError(f"cannot run module {name!r}: importing it raised "
-                          f"{type(exc).__name__} (traceback above)")
-    if spec is None:
-        raise _UsageError(f"no module named {name!r}")
-
-
-def _check_function(target: str) -> None:
-    module, _, attr = target.partition(":")
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
-            raise _UsageError(f"cannot run {target!r}: no module named {exc.name!r}")
-        traceback.print_exc()
-        raise _UsageError(f"cannot run {target!r}: importing {module!r} raised "
-                          f"{type(exc).__name__} (traceback above)")
-    except Exception as exc:  # noqa: BLE001 - import-time code of the user's module
-        traceback.print_exc()
-        raise _UsageError(f"cannot run {target!r}: importing {module!r} raised "
-                          f"{type(exc).__name__} (traceback above)")
-    obj = mod
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise _UsageError(f"cannot run {target!r}: {module!r} has no attribute "
-                              f"{attr!r}")
-    if not callable(obj):
-        raise _UsageError(f"cannot run {target!r}: it is a {type(obj).__name__}, not a "
-                          "function")
-
-
-def _check_path(target: str) -> None:
-    if not os.path.exists(target):
-        raise _UsageError(f"can't open file {os.path.abspath(target)!r}: no such file "
-                          "(for a function write package.module:function; for a module "
-                          "use -m)")
-    if os.path.isdir(target) and not any(
-            os.path.exists(os.path.join(target, f"__main__.{ext}")) for ext in ("py", "pyc")):
-        raise _UsageError(f"can't find '__main__' module in {target!r}")
-
-
-def _prepare(ns):
-    """(func, Script or None) for what the command line names; raises
-    _UsageError before anything starts if it names nothing runnable."""
-    target, args = ns.target, ns.args
-    if ns.module:
-        kind = "function" if _is_function_target(target) else "module"
-    else:
-        kind = "function" if _is_function_target(target) else "path"
-    sys.path[:] = _sys_path_for(kind)
-    if kind == "function":
-        _check_function(target)
-        module, _, attr = target.partition(":")
-        return EntryPoint(module, attr, [target, *args]), None
-    if kind == "module":
-        _check_module(target)
-    else:
-        _check_path(target)
-    return _script_placeholder, Script(target, kind, (target, *args))
-
-
 def _launch_kwargs(ns) -> dict:
     kw = {"relay": ns.relay, "max_restarts": ns.max_restarts}
     # Only what was given: launch's own defaults (and SLURM detection) decide the rest.
@@ -443,162 +316,6 @@ def _launch_kwargs(ns) -> dict:
         if value is not None:
             kw[name] = value
     return kw
-
-
-# -- reporting -------------------------------------------------------------------------
-
-def _say(text: str) -> None:
-    lines = text.rstrip("\n").split("\n")
-    try:
-        sys.stderr.write("".join(f"mplaunch: {line}\n" for line in lines))
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
-
-
-def exit_code_of(failure) -> int:
-    """The command's exit code for a rank's failure, as a shell would report it."""
-    code = failure.exitcode
-    if code is None or code == 0:
-        return 1  # torn down, or left without a result: still a failure
-    if code < 0:
-        return 128 + (-code)
-    return code if code < 256 else 1
-
-
-def _tail_of(failure, max_lines: int = 40) -> str:
-    # The traceback was cut out of the stderr tail (launch raises it as __cause__ for
-    # Python callers); here the tail is all the user gets, so it goes back in.
-    tb = failure.traceback if failure.exc_type != "SystemExit" else None
-    parts = [t.rstrip("\n") for t in (failure.stderr_tail, tb) if t]
-    if not parts:
-        return ""
-    lines = "\n".join(parts).split("\n")
-    if tb and len(lines) > max_lines:
-        lines = ["..."] + lines[-max_lines:]
-    return "\n".join(lines)
-
-
-def _raised_at(tb: str) -> List[str]:
-    """The innermost frame of a traceback's last exception: its 'File "...", line N, in
-    f' line and the source line under it, as Python printed them (so that terminals and
-    editors still recognise them)."""
-    lines = tb.rstrip("\n").split("\n")
-    for i in range(len(lines) - 1, -1, -1):
-        head = lines[i].lstrip(" |")  # exception groups draw their frames with '|'
-        if not head.startswith('File "'):
-            continue
-        out = ["  " + head]
-        if i + 1 < len(lines):
-            source = lines[i + 1].lstrip(" |")
-            deeper = len(lines[i + 1]) - len(source) > len(lines[i]) - len(head)
-            if deeper and source and not set(source) <= set("^~ "):
-                out.append("    " + source)
-        return out
-    return []
-
-
-class Shown:
-    """What this command's own terminal already showed of a rank: whether a failing
-    rank's stderr was relayed here (its traceback with it), under which prefix, and
-    where its log file is."""
-
-    def __init__(self, relay: bool = False, ranks_filter=None, node_rank: int = 0,
-                 prefix: str = "", log_dir: Optional[str] = None):
-        self.relay, self.node_rank, self.prefix = relay, node_rank, prefix
-        self.ranks_filter = None if ranks_filter is None else set(ranks_filter)
-        self.log_dir = log_dir
-
-    @classmethod
-    def for_command_line(cls, ns) -> "Shown":
-        from ._config import DEFAULT_PREFIX
-        return cls(relay=ns.relay, ranks_filter=ns.ranks_filter,
-                   node_rank=_this_node(ns),
-                   prefix=DEFAULT_PREFIX if ns.prefix is None else ns.prefix,
-                   log_dir=ns.log_dir)
-
-    def here(self, failure) -> bool:
-        return failure.node_rank == self.node_rank
-
-    def relayed(self, failure) -> bool:
-        return (self.relay and self.here(failure)
-                and (self.ranks_filter is None or failure.local_rank in self.ranks_filter))
-
-    def prefix_of(self, failure) -> str:
-        import socket
-        try:
-            return self.prefix.format(rank=failure.rank, local_rank=failure.local_rank,
-                                      node_rank=failure.node_rank,
-                                      host=failure.hostname or socket.gethostname())
-        except (KeyError, IndexError, ValueError):
-            return ""
-
-    def log_of(self, failure) -> Optional[str]:
-        if self.log_dir is None or not self.here(failure):
-            return None
-        return os.path.join(self.log_dir, f"attempt_{failure.attempt}",
-                            str(failure.local_rank), "stderr.log")
-
-
-def _this_node(ns) -> int:
-    # As launch() decided it: the option, else SLURM's layout inside an srun step.
-    return node_layout(ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port)[1]
-
-
-def _where_to_look(failure, shown: Shown) -> List[str]:
-    """For a rank whose traceback was just relayed here line by line: where it is, and
-    where the exception was raised, instead of the traceback again."""
-    prefix = shown.prefix_of(failure).rstrip()
-    where = f"rank {failure.rank}'s traceback is above"
-    if prefix:
-        where += f" (lines starting {prefix!r})"
-    log = shown.log_of(failure)
-    if log:
-        where += f" and in {log}"
-    at = _raised_at(failure.traceback)
-    return [where + ("; raised at:" if at else "")] + at
-
-
-def report_failure(err, code: int, shown: Optional[Shown] = None) -> None:
-    shown = shown or Shown()
-    first = err.failures[0]
-    lines = [f"{first.describe()}{' ' + err.note if err.note else ''}; exiting with {code}"]
-    others = err.failures[1:]
-    if others:
-        lines.append(f"{len(others)} more rank(s) failed after it: "
-                     + "; ".join(f.describe() for f in others[:8])
-                     + (" ..." if len(others) > 8 else ""))
-    for attempt in err.previous_attempts:
-        if attempt:
-            lines.append(f"earlier attempt {attempt[0].attempt}: "
-                         + "; ".join(f.describe() for f in attempt[:4]))
-    if first.traceback and first.exc_type != "SystemExit" and shown.relayed(first):
-        # The rank printed its traceback as it raised, and it was relayed here: a second
-        # copy right under the first only pushes the first off the screen.
-        lines.extend(_where_to_look(first, shown))
-    else:
-        tail = _tail_of(first)
-        if tail:
-            lines.append(f"last lines of rank {first.rank}'s stderr:")
-            lines.extend("  " + line for line in tail.split("\n"))
-            log = shown.log_of(first)
-            if log:
-                lines.append(f"all of it is in {log}")
-    _say("\n".join(lines))
-
-
-def _flush_stdout() -> None:
-    try:
-        sys.stdout.flush()
-    except (OSError, ValueError):
-        # The reader went away (mplaunch ... | head): say nothing more there, and keep
-        # the interpreter's final flush from failing too.
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-        except (OSError, ValueError):
-            pass
 
 
 # -- main ------------------------------------------------------------------------------
@@ -619,15 +336,15 @@ def _torch_missing() -> Optional[str]:
 def run(argv: Sequence[str]) -> int:
     parser, ns = parse_args(argv)
     for note in ns.notes:
-        _say(f"note: {note}")
+        say(f"note: {note}")
     missing = _torch_missing()
     if missing:
-        _say(f"error: {missing}")
+        say(f"error: {missing}")
         return EXIT_USAGE
     try:
-        func, script = _prepare(ns)
-    except _UsageError as exc:
-        _say(f"error: {exc}")
+        func, script = prepare(ns)
+    except UsageError as exc:
+        say(f"error: {exc}")
         return EXIT_USAGE
 
     from ._launch import run as run_launch
@@ -635,33 +352,33 @@ def run(argv: Sequence[str]) -> int:
     try:
         run_launch(func, (), ns.nprocs, _launch_kwargs(ns), script)
     except LaunchTimeout as err:
-        _flush_stdout()
-        _say(str(err))
+        flush_stdout()
+        say(str(err))
         return EXIT_TIMEOUT
     except WorkerError as err:
-        _flush_stdout()
+        flush_stdout()
         code = exit_code_of(err.failures[0])
         report_failure(err, code, Shown.for_command_line(ns))
         return code
     except MainProcessError as err:
-        _flush_stdout()
-        _say(str(err))
+        flush_stdout()
+        say(str(err))
         return 128 + err.signal_no
     except (TypeError, ValueError) as exc:
         # launch validates its arguments before anything starts
-        _say(f"error: {exc}")
+        say(f"error: {exc}")
         return EXIT_USAGE
     except (OSError, RuntimeError) as exc:
         # the store's port is taken, node 0 cannot be reached, the server failed...
-        _flush_stdout()
-        _say(f"error: {exc}")
+        flush_stdout()
+        say(f"error: {exc}")
         return 1
     except ImportError as exc:
         # torch is there but does not import (a broken install, a missing library)
-        _flush_stdout()
-        _say(f"error: {type(exc).__name__}: {exc} (in this Python: {sys.executable})")
+        flush_stdout()
+        say(f"error: {type(exc).__name__}: {exc} (in this Python: {sys.executable})")
         return 1
-    _flush_stdout()
+    flush_stdout()
     return 0
 
 

@@ -11,8 +11,8 @@ import time
 from typing import Any, List, Optional
 
 from ._group import RankGroup
-from ._output import summarize_tail, write_error_file
-from ._serialize import unpack_exception
+from ._tails import summarize_tail, write_error_file
+from ._exceptions import unpack_exception
 from ._stacks import summarize_stacks
 from .errors import LaunchTimeout, MainProcessError, RankFailure, WorkerError
 

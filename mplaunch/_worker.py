@@ -223,7 +223,7 @@ def _spawn_style_hint(exc: BaseException):
 
 def _send_exception(sock, exc: BaseException, exitcode: int, show: bool = True,
                     hint=None) -> None:
-    from ._serialize import pack_exception
+    from ._exceptions import pack_exception
     tb = exc.__traceback__
     while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
                               or tb.tb_frame.f_code.co_filename == "<frozen runpy>"):

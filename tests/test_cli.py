@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from mplaunch import RankFailure
-from mplaunch import _cli
+from mplaunch import _cli, _cli_report, _cli_targets
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts_cli")
@@ -368,7 +368,7 @@ def test_options_map_to_launch_arguments():
     (0, None, 1), (None, None, 1),
 ])
 def test_exit_code_of(exitcode, signame, expected):
-    assert _cli.exit_code_of(RankFailure(1, 123, exitcode, signame)) == expected
+    assert _cli_report.exit_code_of(RankFailure(1, 123, exitcode, signame)) == expected
 
 
 @pytest.fixture
@@ -382,10 +382,10 @@ def cli_pkg_importable(monkeypatch):
 def test_entry_point_in_process(monkeypatch, cli_pkg_importable):
     monkeypatch.setattr(sys, "argv", ["pytest"])
     monkeypatch.setenv("RANK", "1")
-    assert _cli.EntryPoint("cli_pkg.entry", "Tool.run", ["t", "a"])() is None
+    assert _cli_targets.EntryPoint("cli_pkg.entry", "Tool.run", ["t", "a"])() is None
     assert sys.argv == ["t", "a"]
     with pytest.raises(SystemExit) as info:
-        _cli.EntryPoint("cli_pkg.entry", "exit_four_in_rank_one", ["t"])()
+        _cli_targets.EntryPoint("cli_pkg.entry", "exit_four_in_rank_one", ["t"])()
     assert info.value.code == 4
     monkeypatch.setenv("RANK", "0")
-    assert _cli.EntryPoint("cli_pkg.entry", "exit_four_in_rank_one", ["t"])() is None
+    assert _cli_targets.EntryPoint("cli_pkg.entry", "exit_four_in_rank_one", ["t"])() is None

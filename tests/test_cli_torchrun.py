@@ -14,7 +14,7 @@ import zipfile
 import pytest
 
 import mplaunch
-from mplaunch import RankFailure, WorkerError, _cli
+from mplaunch import RankFailure, WorkerError, _cli, _cli_report
 from test_cli import BARE, SCRIPTS, _env, explain, records, run_cli, summary
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(mplaunch.__file__)))
@@ -71,12 +71,12 @@ def _failure(**kw):
 
 
 def _report(failure, shown, capsys):
-    _cli.report_failure(WorkerError([failure]), 1, shown)
+    _cli_report.report_failure(WorkerError([failure]), 1, shown)
     return summary(capsys.readouterr().err)
 
 
 def test_summary_for_a_relayed_traceback_in_process(capsys):
-    shown = _cli.Shown(relay=True, node_rank=1, prefix="<{node_rank}.{local_rank}@{host}> ",
+    shown = _cli_report.Shown(relay=True, node_rank=1, prefix="<{node_rank}.{local_rank}@{host}> ",
                        log_dir="logs")
     assert _report(_failure(), shown, capsys)[1:] == [
         "rank 3's traceback is above (lines starting '<1.1@n1>') and in "
@@ -84,14 +84,14 @@ def test_summary_for_a_relayed_traceback_in_process(capsys):
         '  File "train.py", line 5, in main',
         "    loss = model(batch)",
     ]
-    shown = _cli.Shown(relay=True, node_rank=1, prefix="")
+    shown = _cli_report.Shown(relay=True, node_rank=1, prefix="")
     assert _report(_failure(), shown, capsys)[1] == "rank 3's traceback is above; raised at:"
 
 
 @pytest.mark.parametrize("shown", [
-    _cli.Shown(relay=True, node_rank=0),                      # it failed on another node
-    _cli.Shown(relay=True, node_rank=1, ranks_filter=[0]),    # its output was filtered out
-    _cli.Shown(relay=False, node_rank=1),                     # nothing was relayed
+    _cli_report.Shown(relay=True, node_rank=0),                      # it failed on another node
+    _cli_report.Shown(relay=True, node_rank=1, ranks_filter=[0]),    # its output was filtered out
+    _cli_report.Shown(relay=False, node_rank=1),                     # nothing was relayed
 ], ids=["other-node", "filtered", "no-relay"])
 def test_summary_shows_a_traceback_that_was_not_relayed(shown, capsys):
     lines = _report(_failure(), shown, capsys)
@@ -103,7 +103,7 @@ def test_summary_shows_a_traceback_that_was_not_relayed(shown, capsys):
 def test_summary_keeps_the_last_words_of_a_rank_that_raised_nothing(capsys):
     # A rank that exited or was killed printed no traceback: its last lines are short
     # and are the only clue, so they stay even when they were relayed.
-    shown = _cli.Shown(relay=True, node_rank=1)
+    shown = _cli_report.Shown(relay=True, node_rank=1)
     failure = _failure(exc_type="SystemExit", message="3", exitcode=3,
                        stderr_tail="giving up at step 2\n")
     assert _report(failure, shown, capsys)[1:] == [
@@ -128,7 +128,7 @@ def test_summary_keeps_the_last_words_of_a_rank_that_raised_nothing(capsys):
     ("RuntimeError: no frames at all\n", []),
 ])
 def test_raised_at(tb, expected):
-    assert _cli._raised_at(tb) == expected
+    assert _cli_report._raised_at(tb) == expected
 
 
 # -- 9: torchrun's flags ------------------------------------------------------------------

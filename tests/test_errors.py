@@ -17,7 +17,7 @@ import cloudpickle
 import pytest
 
 import mplaunch
-from mplaunch import _serialize
+from mplaunch import _exceptions
 from mplaunch.errors import signal_name
 
 # Nothing here needs torch but the launches, which skip without it: these run under
@@ -214,9 +214,9 @@ def test_worker_error_with_cause_crosses_a_process_again():
         except KeyError as exc:
             raise mplaunch.WorkerError([_failure(1)]) from exc
     except mplaunch.WorkerError as exc:
-        blob, type_name, message, tb = _serialize.pack_exception(exc)
+        blob, type_name, message, tb = _exceptions.pack_exception(exc)
     assert blob is not None and type_name == "mplaunch.WorkerError"
-    again = _serialize.unpack_exception(blob, type_name, message, tb)
+    again = _exceptions.unpack_exception(blob, type_name, message, tb)
     assert type(again) is mplaunch.WorkerError
     assert again.failures == [_failure(1)] and str(again) == message
     assert type(again.__cause__) is KeyError and again.__cause__.args == ("deep",)
@@ -232,7 +232,7 @@ def test_exception_pickling_leaves_the_process_alone():
     try:
         raise SystemExit(3)
     except SystemExit as exc:
-        again = _serialize.unpack_exception(*_serialize.pack_exception(exc))
+        again = _exceptions.unpack_exception(*_exceptions.pack_exception(exc))
     assert again.code == 3 and again.__traceback__ is not None
     assert copyreg.dispatch_table == before
     assert pickle.loads(pickle.dumps(SystemExit(3))).code == 3
@@ -324,7 +324,7 @@ def _raised(exc):
 
 
 def _cross(exc):
-    return _serialize.unpack_exception(*_serialize.pack_exception(exc))
+    return _exceptions.unpack_exception(*_exceptions.pack_exception(exc))
 
 
 def test_exception_shapes_round_trip():

@@ -20,7 +20,8 @@ import time
 import pytest
 
 import mplaunch
-from mplaunch._output import StreamRelay, summarize_tail
+from mplaunch._output import StreamRelay
+from mplaunch._tails import summarize_tail
 
 PREFIX_RE = re.compile(r"^\[rank(\d+)\]: ")
 

@@ -16,7 +16,7 @@ import cloudpickle
 import pytest
 
 import mplaunch
-from mplaunch import _serialize
+from mplaunch import _exceptions
 
 no_torch = pytest.mark.no_torch
 
@@ -41,7 +41,7 @@ _CHAINED = '''
 import pickle
 import sys
 
-from mplaunch._serialize import pack_exception
+from mplaunch._exceptions import pack_exception
 
 
 def inner(x):
@@ -86,7 +86,7 @@ def _line_of(source: str, text: str) -> int:
 @no_torch
 def test_rebuilt_traceback_reads_as_the_worker_printed_it(tmp_path):
     packed = pickle.loads(_run_child(tmp_path, _CHAINED))
-    exc = _serialize.unpack_exception(*packed)
+    exc = _exceptions.unpack_exception(*packed)
     assert type(exc) is KeyError and type(exc.__context__) is RuntimeError
     assert type(exc.__context__.__cause__) is ValueError
     shown = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -106,7 +106,7 @@ def test_rebuilt_traceback_reads_as_the_worker_printed_it(tmp_path):
 
 @no_torch
 def test_rebuilt_frames_report_their_lines_to_tools(tmp_path):
-    exc = _serialize.unpack_exception(*pickle.loads(_run_child(tmp_path, _CHAINED)))
+    exc = _exceptions.unpack_exception(*pickle.loads(_run_child(tmp_path, _CHAINED)))
     tb = exc.__context__.__cause__.__traceback__
     frames = traceback.extract_tb(tb)
     assert [(f.name, f.lineno, f.line) for f in frames] == [
@@ -195,7 +195,7 @@ _DUMPER = '''
 import faulthandler
 import sys
 
-from mplaunch._serialize import _rebuild_exception
+from mplaunch._exceptions import _rebuild_exception
 
 
 def waits_here():
@@ -215,12 +215,12 @@ step()
 @no_torch
 def test_launch_timeout_stacks_are_the_readable_text_of_the_message(tmp_path):
     raw = _run_child(tmp_path, _DUMPER).decode()
-    assert "_serialize.py" in raw  # a real dump, with one of mplaunch's frames in it
+    assert "_exceptions.py" in raw  # a real dump, with one of mplaunch's frames in it
     failure = mplaunch.RankFailure(0, message="was still running after 2 s")
     err = mplaunch.LaunchTimeout([failure], 2.0, {0: raw, 1: ""})
     assert err.raw_stacks == {0: raw, 1: ""}
     stack = err.stacks[0]
-    assert "_serialize.py" not in stack and "Current thread" not in stack
+    assert "_exceptions.py" not in stack and "Current thread" not in stack
     child = tmp_path / "child.py"
     assert stack.splitlines() == [
         f'  File "{child}", line {_line_of(_DUMPER, "step()")}, in <module>', "    step()",
