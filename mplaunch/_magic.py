@@ -4,12 +4,11 @@ and cells whose code runs in every rank of it.
 ``%load_ext mplaunch`` calls :func:`load_ipython_extension`. Nothing here imports
 IPython at module level: ``import mplaunch`` must stay as cheap outside notebooks.
 
-A ``%%ranks`` cell runs in each rank's ``__main__`` namespace, the one a rank's
-functions from the notebook also see (see docs/world.rst), so the names it defines are
-there for the next cell, for ``%ranks pull`` and for functions sent with ``World.run``;
-and a class defined in a cell pickles by reference there, as it would in a script
-(``torch.save(model)``, DataLoader workers). The notebook's own names are not sent:
-``%ranks push`` copies chosen ones, as ipyparallel's ``push`` does.
+A ``%%ranks`` cell runs in each rank's ``__main__`` namespace: the names it defines are
+there for the next cell and for ``%ranks pull``, and a class defined in a cell pickles
+by reference there, as it would in a script (``torch.save(model)``, DataLoader
+workers). The notebook's own names are not sent: ``%ranks push`` copies chosen ones, as
+ipyparallel's ``push`` does. docs/notebooks.rst describes what users see.
 """
 from __future__ import annotations
 
@@ -92,11 +91,8 @@ def _display_last_expression(tree: ast.Module) -> None:
     hook = ast.Attribute(value=ast.Call(func=ast.Name("__import__", ast.Load()),
                                         args=[ast.Constant("sys")], keywords=[]),
                          attr="displayhook", ctx=ast.Load())
-    call = ast.Call(func=hook, args=[expr.value], keywords=[])
-    for node in ast.walk(call):
-        if node is not expr.value and not isinstance(node, (ast.Load,)):
-            ast.copy_location(node, expr.value)
-    expr.value = call
+    expr.value = ast.Call(func=hook, args=[expr.value], keywords=[])
+    ast.fix_missing_locations(expr)  # the new nodes take the statement's position
 
 
 class _MainNamespace:
@@ -337,13 +333,14 @@ class _Ranks:
         rank's frames read as the cell's own. IPython's entry for it holds the one line
         of transformed code (``get_ipython().run_cell_magic(...)``); the cell as shown
         replaces it. Called from other code, a name of our own."""
+        transformed = f"get_ipython().run_cell_magic('{_MAGIC}',"
         frame = sys._getframe(1)
         while frame is not None:
             name = frame.f_code.co_filename
             entry = linecache.cache.get(name)
             if (entry is not None and len(entry) == 4 and entry[1] is None
                     and len(entry[2]) == 1
-                    and entry[2][0].startswith(f"get_ipython().run_cell_magic('{_MAGIC}',")):
+                    and entry[2][0].startswith(transformed)):
                 break
             frame = frame.f_back
         else:
@@ -368,11 +365,8 @@ class _Ranks:
             if self.torn_down:
                 print(f"%ranks: the world was torn down ({self.torn_down}); starting "
                       "fresh ranks")
-                verb = "started fresh:"
-            else:
-                verb = "started"
             self.stop(quiet=True)
-            self._start_world(verb)
+            self._start_world("started")
         world = self.world
         try:
             return world.run(func, args, timeout=timeout)
@@ -389,7 +383,9 @@ def _why(err: BaseException) -> str:
         return "a cell ran past its timeout"
     if isinstance(err, WorkerError):
         return f"rank {err.rank} failed"
-    return "the kernel was interrupted"
+    if isinstance(err, MainProcessError):
+        return f"the kernel received {err.signal_name}"
+    return type(err).__name__
 
 
 def _shown(err: BaseException, nprocs: int, cell: bool) -> BaseException:
