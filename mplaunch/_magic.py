@@ -1,8 +1,9 @@
 """The ``%ranks`` and ``%%ranks`` IPython magics: one :class:`mplaunch.World` per shell,
 and cells whose code runs in every rank of it.
 
-``%load_ext mplaunch`` calls :func:`load_ipython_extension`. Nothing here imports
-IPython at module level: ``import mplaunch`` must stay as cheap outside notebooks.
+``%load_ext mplaunch`` calls :func:`load_ipython_extension`. ``import mplaunch`` imports
+this module, so it imports nothing at module level that a launch does not need (IPython,
+argparse, ast): those come when a magic runs.
 
 A ``%%ranks`` cell runs in each rank's ``__main__`` namespace: the names it defines are
 there for the next cell and for ``%ranks pull``, and a class defined in a cell pickles
@@ -12,11 +13,8 @@ ipyparallel's ``push`` does. docs/notebooks.rst describes what users see.
 """
 from __future__ import annotations
 
-import argparse
-import ast
 import importlib.util
 import linecache
-import shlex
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -74,6 +72,7 @@ def _cell_code(filename: str, shown: str, offset: int, body: str):
     """The code of a cell's body, whose line numbers are those of the cell as shown
     (the body starts `offset` lines down, below the ``%%ranks`` line); its lines are
     registered in linecache under `filename`, so tracebacks show them."""
+    import ast
     lines = shown.splitlines(True)
     # mtime None: linecache.checkcache keeps the entry, as it keeps IPython's own.
     linecache.cache[filename] = (len(shown), None, lines, filename)
@@ -82,9 +81,10 @@ def _cell_code(filename: str, shown: str, offset: int, body: str):
     return compile(tree, filename, "exec", dont_inherit=True)
 
 
-def _display_last_expression(tree: ast.Module) -> None:
+def _display_last_expression(tree) -> None:
     """Pass a last expression statement's value to sys.displayhook, as a REPL (and
     IPython) shows a cell's value: in a rank, its repr is printed and relayed."""
+    import ast
     if not tree.body or not isinstance(tree.body[-1], ast.Expr):
         return
     expr = tree.body[-1]
@@ -131,21 +131,22 @@ class _Usage(Exception):
     """A bad %ranks line; shown as IPython's UsageError (a one-line message)."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise _Usage(f"{self.prog}: {message}")
-
-    def exit(self, status=0, message=None):
-        if message:
-            raise _Usage(message)
-        raise _Done  # --help was printed
-
-
 class _Done(Exception):
-    pass
+    """--help was printed."""
 
 
 def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    import argparse
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise _Usage(f"{self.prog}: {message}")
+
+        def exit(self, status=0, message=None):
+            if message:
+                raise _Usage(message)
+            raise _Done
+
     line = _Parser(prog="%ranks", description=(
         "Start, stop or look at the world that %%ranks cells run in. With no "
         "subcommand: its size, backend and the ranks' pids."))
@@ -213,6 +214,7 @@ class _Ranks:
         (status). ``%ranks --help`` and ``%ranks start --help`` list the options.
         """
         __tracebackhide__ = True  # noqa: F841 - IPython leaves our frames out
+        import shlex
         line_parser, cell_parser = _parsers()
         try:
             if cell is None:
