@@ -2,6 +2,7 @@
 watch them, and tear everything down cleanly when anything goes wrong."""
 from ._handle import Handle, start
 from ._launch import launch
+from ._magic import load_ipython_extension, unload_ipython_extension
 from ._serve import rank_state
 from ._world import World
 from .errors import (LaunchTimeout, MainProcessError, MPLaunchError, RankFailure,

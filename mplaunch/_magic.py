@@ -1,0 +1,412 @@
+"""The ``%ranks`` and ``%%ranks`` IPython magics: one :class:`mplaunch.World` per shell,
+and cells whose code runs in every rank of it.
+
+``%load_ext mplaunch`` calls :func:`load_ipython_extension`. ``import mplaunch`` imports
+this module, so it imports nothing at module level that a launch does not need (IPython,
+argparse, ast): those come when a magic runs.
+
+A ``%%ranks`` cell runs in each rank's ``__main__`` namespace: the names it defines are
+there for the next cell and for ``%ranks pull``, and a class defined in a cell pickles
+by reference there, as it would in a script (``torch.save(model)``, DataLoader
+workers). The notebook's own names are not sent: ``%ranks push`` copies chosen ones, as
+ipyparallel's ``push`` does. docs/notebooks.rst describes what users see.
+"""
+from __future__ import annotations
+
+import importlib.util
+import linecache
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+from .errors import LaunchTimeout, MainProcessError, WorkerError
+
+__all__ = ["load_ipython_extension", "unload_ipython_extension", "DEFAULT_NPROCS"]
+
+# The size of the world a %%ranks cell starts when no `%ranks start N` came first.
+DEFAULT_NPROCS = 2
+
+_MAGIC = "ranks"
+# Where the shell keeps its _Ranks, so that loading twice reuses one world.
+_ATTR = "_mplaunch_ranks"
+
+
+def load_ipython_extension(ipython) -> None:
+    """Register ``%ranks`` and ``%%ranks`` in an IPython shell (``%load_ext mplaunch``)."""
+    ranks = getattr(ipython, _ATTR, None)
+    if ranks is None:
+        ranks = _Ranks(ipython)
+        setattr(ipython, _ATTR, ranks)
+    ipython.register_magic_function(ranks.magic, magic_kind="line_cell",
+                                    magic_name=_MAGIC)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """Close the shell's world and remove the magics (``%unload_ext mplaunch``)."""
+    ranks = getattr(ipython, _ATTR, None)
+    if ranks is not None:
+        ranks.stop(quiet=True)
+        delattr(ipython, _ATTR)
+    for kind in ("line", "cell"):
+        ipython.magics_manager.magics[kind].pop(_MAGIC, None)
+
+
+# -- the ranks' side ---------------------------------------------------------------------
+#
+# A cell travels as two arguments to the builtin exec: its source (compiled in the rank,
+# where its lines are also registered for the rank's own traceback) and the rank's
+# __main__ namespace, both resolved when the rank unpickles them. No function of ours
+# stands between the rank's call and the cell, so the cell's frames are the whole
+# traceback, in the rank's stderr and in the notebook.
+
+class _Cell:
+    __slots__ = ("filename", "shown", "offset", "body")
+
+    def __init__(self, filename: str, shown: str, offset: int, body: str):
+        self.filename, self.shown, self.offset, self.body = filename, shown, offset, body
+
+    def __reduce__(self):
+        return _cell_code, (self.filename, self.shown, self.offset, self.body)
+
+
+def _cell_code(filename: str, shown: str, offset: int, body: str):
+    """The code of a cell's body, whose line numbers are those of the cell as shown
+    (the body starts `offset` lines down, below the ``%%ranks`` line); its lines are
+    registered in linecache under `filename`, so tracebacks show them."""
+    import ast
+    lines = shown.splitlines(True)
+    # mtime None: linecache.checkcache keeps the entry, as it keeps IPython's own.
+    linecache.cache[filename] = (len(shown), None, lines, filename)
+    tree = ast.parse("\n" * offset + body, filename, "exec")
+    _display_last_expression(tree)
+    return compile(tree, filename, "exec", dont_inherit=True)
+
+
+def _display_last_expression(tree) -> None:
+    """Pass a last expression statement's value to sys.displayhook, as a REPL (and
+    IPython) shows a cell's value: in a rank, its repr is printed and relayed."""
+    import ast
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr):
+        return
+    expr = tree.body[-1]
+    hook = ast.Attribute(value=ast.Call(func=ast.Name("__import__", ast.Load()),
+                                        args=[ast.Constant("sys")], keywords=[]),
+                         attr="displayhook", ctx=ast.Load())
+    expr.value = ast.Call(func=hook, args=[expr.value], keywords=[])
+    ast.fix_missing_locations(expr)  # the new nodes take the statement's position
+
+
+class _MainNamespace:
+    """Unpickles as the namespace of the rank's current ``__main__``."""
+
+    def __reduce__(self):
+        return _main_namespace, ()
+
+
+def _main_namespace() -> Dict[str, Any]:
+    return vars(sys.modules["__main__"])
+
+
+def _push(values: Dict[str, Any]) -> None:
+    _main_namespace().update(values)
+
+
+def _pull(name: str) -> Tuple[str, Any]:
+    """("ok", value), or ("missing", None), or ("unpicklable", reason): a look-up that
+    fails must not fail the run, which would tear the world down."""
+    namespace = _main_namespace()
+    if name not in namespace:
+        return "missing", None
+    value = namespace[name]
+    try:
+        import cloudpickle
+        cloudpickle.dumps(value)
+    except Exception as exc:  # noqa: BLE001 - any failure is the answer
+        return "unpicklable", f"{type(value).__name__}: {type(exc).__name__}: {exc}"
+    return "ok", value
+
+
+# -- the notebook's side -----------------------------------------------------------------
+
+class _Usage(Exception):
+    """A bad %ranks line; shown as IPython's UsageError (a one-line message)."""
+
+
+class _Done(Exception):
+    """--help was printed."""
+
+
+def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    import argparse
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise _Usage(f"{self.prog}: {message}")
+
+        def exit(self, status=0, message=None):
+            if message:
+                raise _Usage(message)
+            raise _Done
+
+    line = _Parser(prog="%ranks", description=(
+        "Start, stop or look at the world that %%ranks cells run in. With no "
+        "subcommand: its size, backend and the ranks' pids."))
+    sub = line.add_subparsers(dest="command", parser_class=_Parser)
+    start = sub.add_parser("start", help="(re)start the world with NPROCS ranks")
+    start.add_argument("nprocs", nargs="?", type=int, default=None,
+                       help=f"number of ranks (default: the last size, else "
+                            f"{DEFAULT_NPROCS})")
+    start.add_argument("--backend", "-b", default=None,
+                       help="init_process_group backend of each rank: gloo (the default "
+                            "where torch is installed), nccl, ..., or none")
+    start.add_argument("--timeout", type=float, default=None,
+                       help="seconds a cell may run before every rank's stack is shown "
+                            "and the world torn down (default: none)")
+    start.add_argument("--grace-period", type=float, default=None,
+                       help="seconds between SIGTERM and SIGKILL at teardown")
+    start.add_argument("--log-dir", default=None,
+                       help="also write each rank's output to files in this directory")
+    start.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                       help="an environment variable for every rank (repeatable)")
+    sub.add_parser("stop", help="end every rank")
+    sub.add_parser("restart", help="end the ranks and start fresh ones, same settings")
+    push = sub.add_parser("push", help="copy notebook variables into every rank's "
+                                       "namespace")
+    push.add_argument("names", nargs="+")
+    pull = sub.add_parser("pull", help="a variable of the ranks' namespace, as a list "
+                                       "by rank")
+    pull.add_argument("name")
+    cell = _Parser(prog="%%ranks", description="Run the cell in every rank.")
+    cell.add_argument("--timeout", type=float, default=None,
+                      help="seconds this cell may run (default: the world's)")
+    return line, cell
+
+
+def _default_backend() -> Optional[str]:
+    # find_spec, not import: importing torch in the kernel takes seconds, and the
+    # ranks import it in their server anyway.
+    return "gloo" if importlib.util.find_spec("torch") is not None else None
+
+
+class _Ranks:
+    """A shell's world, and the magics' state around it."""
+
+    def __init__(self, shell):
+        self.shell = shell
+        self.world = None
+        self.settings: Dict[str, Any] = {"nprocs": DEFAULT_NPROCS,
+                                         "backend": _default_backend()}
+        # Why the next cell starts fresh ranks (said in its output), if it does.
+        self.torn_down: Optional[str] = None
+        self._cells = 0
+
+    def magic(self, line: str, cell: Optional[str] = None):
+        """Run code in every rank of a world that stays up between cells.
+
+        ``%%ranks`` runs the cell in every rank (a world of 2 ranks with the gloo
+        backend is started on first use); names it defines stay in each rank for the
+        next ``%%ranks`` cell. Each rank's output shows, prefixed, under the cell; the
+        first failure is raised in the cell, the world is torn down and the next cell
+        starts fresh ranks. ``%%ranks --timeout S`` limits one cell.
+
+        ``%ranks start [N] [--backend B] [--timeout S] [--grace-period S]
+        [--log-dir D] [--env NAME=VALUE]``, ``%ranks stop``, ``%ranks restart``,
+        ``%ranks push NAME...``, ``%ranks pull NAME`` (a list by rank), and ``%ranks``
+        (status). ``%ranks --help`` and ``%ranks start --help`` list the options.
+        """
+        __tracebackhide__ = True  # noqa: F841 - IPython leaves our frames out
+        import shlex
+        line_parser, cell_parser = _parsers()
+        try:
+            if cell is None:
+                return self._line(line_parser.parse_args(shlex.split(line)))
+            return self._cell(cell_parser.parse_args(shlex.split(line)), line, cell)
+        except _Done:
+            return None
+        except _Usage as exc:
+            from IPython.core.error import UsageError
+            raise UsageError(str(exc)) from None
+
+    # -- %ranks ----------------------------------------------------------------------
+    def _line(self, args: argparse.Namespace):
+        if args.command is None:
+            print(self.status())
+        elif args.command == "start":
+            self.start(args)
+        elif args.command == "stop":
+            self.stop()
+        elif args.command == "restart":
+            self.stop(quiet=True)
+            self._start_world("restarted")
+        elif args.command == "push":
+            self.push(args.names)
+        elif args.command == "pull":
+            return self.pull(args.name)
+        return None
+
+    def status(self) -> str:
+        s = self.settings
+        what = f"{s['nprocs']} ranks, backend {s['backend'] or 'none'}"
+        if self.world is not None and self.world.pids:
+            return f"{what}: up, pids {self.world.pids}"
+        if self.torn_down:
+            return f"{what}: torn down ({self.torn_down}); the next %%ranks cell starts " \
+                   "fresh ranks"
+        return f"{what}: not started; the next %%ranks cell starts them"
+
+    def start(self, args: argparse.Namespace) -> None:
+        settings = dict(self.settings)
+        if args.nprocs is not None:
+            if args.nprocs < 1:
+                raise _Usage(f"%ranks start: NPROCS must be at least 1, got {args.nprocs}")
+            settings["nprocs"] = args.nprocs
+        if args.backend is not None:
+            settings["backend"] = None if args.backend.lower() == "none" else args.backend
+        for key in ("timeout", "grace_period", "log_dir"):
+            value = getattr(args, key)
+            if value is not None:
+                settings[key] = value
+        if args.env:
+            env = {}
+            for item in args.env:
+                name, sep, value = item.partition("=")
+                if not sep or not name:
+                    raise _Usage(f"%ranks start: --env takes NAME=VALUE, got {item!r}")
+                env[name] = value
+            settings["env"] = env
+        self.stop(quiet=True)
+        self.settings = settings
+        self._start_world("started")
+
+    def stop(self, quiet: bool = False) -> None:
+        world, self.world = self.world, None
+        self.torn_down = None
+        if world is None:
+            if not quiet:
+                print("%ranks: no world is up")
+            return
+        n = len(world.pids)
+        world.close()
+        if not quiet:
+            print(f"%ranks: stopped {n} ranks" if n else "%ranks: stopped")
+
+    def push(self, names: List[str]) -> None:
+        namespace = self.shell.user_ns
+        missing = [n for n in names if n not in namespace]
+        if missing:
+            raise _Usage(f"%ranks push: not defined in the notebook: {', '.join(missing)}")
+        self._run(_push, ({n: namespace[n] for n in names},), None)
+
+    def pull(self, name: str) -> list:
+        answers = self._run(_pull, (name,), None)
+        missing = [rank for rank, (state, _) in enumerate(answers) if state == "missing"]
+        if missing:
+            raise _Usage(f"%ranks pull: {name!r} is not defined in rank(s) "
+                         f"{', '.join(map(str, missing))}")
+        for rank, (state, reason) in enumerate(answers):
+            if state == "unpicklable":
+                raise _Usage(f"%ranks pull: rank {rank}'s {name!r} cannot be pickled "
+                             f"({reason}); pull something derived from it")
+        return [value for _, value in answers]
+
+    # -- %%ranks ---------------------------------------------------------------------
+    def _cell(self, args: argparse.Namespace, line: str, body: str) -> None:
+        __tracebackhide__ = True  # noqa: F841
+        self._cells += 1
+        shown = f"%%{_MAGIC}{' ' if line.strip() else ''}{line.strip()}\n{body}"
+        filename = self._register(shown)
+        # Compiled here first: a syntax error shows at once, and spends no world.
+        try:
+            _cell_code(filename, shown, 1, body)
+        except SyntaxError as exc:
+            error = exc
+        else:
+            error = None
+        if error is not None:
+            raise error.with_traceback(None)  # the cell's line, not ours or ast's
+        self._run(exec, (_Cell(filename, shown, 1, body), _MainNamespace()), args.timeout,
+                  cell=True)
+
+    def _register(self, shown: str) -> str:
+        """The file name the cell's code is compiled under, its lines in linecache being
+        the cell as shown.
+
+        For a cell that is just ``%%ranks`` (as typed in a notebook), the running cell's
+        own name: IPython labels its frames "Cell In[7], line 3" from that name, so the
+        rank's frames read as the cell's own. IPython's entry for it holds the one line
+        of transformed code (``get_ipython().run_cell_magic(...)``); the cell as shown
+        replaces it. Called from other code, a name of our own."""
+        transformed = f"get_ipython().run_cell_magic('{_MAGIC}',"
+        frame = sys._getframe(1)
+        while frame is not None:
+            name = frame.f_code.co_filename
+            entry = linecache.cache.get(name)
+            if (entry is not None and len(entry) == 4 and entry[1] is None
+                    and len(entry[2]) == 1
+                    and entry[2][0].startswith(transformed)):
+                break
+            frame = frame.f_back
+        else:
+            name = f"<%%{_MAGIC} cell {self._cells}>"
+        linecache.cache[name] = (len(shown), None, shown.splitlines(True), name)
+        return name
+
+    # -- the world ---------------------------------------------------------------------
+    def _start_world(self, verb: str) -> None:
+        from ._world import World
+        s = dict(self.settings)
+        nprocs, backend = s.pop("nprocs"), s.pop("backend")
+        world = World(nprocs, backend=backend, **s)
+        world.start()
+        self.world, self.torn_down = world, None
+        print(f"%ranks: {verb} {nprocs} ranks, backend {backend or 'none'}: pids "
+              f"{world.pids}")
+
+    def _run(self, func, args: tuple, timeout: Optional[float], cell: bool = False):
+        __tracebackhide__ = True  # noqa: F841
+        if self.world is None or not self.world.pids:
+            if self.torn_down:
+                print(f"%ranks: the world was torn down ({self.torn_down}); starting "
+                      "fresh ranks")
+            self.stop(quiet=True)
+            self._start_world("started")
+        world = self.world
+        try:
+            return world.run(func, args, timeout=timeout)
+        except (WorkerError, LaunchTimeout, MainProcessError) as err:
+            failure = err
+        self.torn_down = _why(failure)
+        # Out of the except block, so that it carries no __context__ of ours. The world
+        # is torn down now; the error below says why.
+        raise _shown(failure, world.nprocs, cell)
+
+
+def _why(err: BaseException) -> str:
+    if isinstance(err, LaunchTimeout):
+        return "a cell ran past its timeout"
+    if isinstance(err, WorkerError):
+        return f"rank {err.rank} failed"
+    if isinstance(err, MainProcessError):
+        return f"the kernel received {err.signal_name}"
+    return type(err).__name__
+
+
+def _shown(err: BaseException, nprocs: int, cell: bool) -> BaseException:
+    """What the notebook shows for a failed run, without mplaunch's frames.
+
+    A rank's exception raised by the cell's code is shown itself, as a failing cell
+    would show it: its type, its frames in the cell's lines, and a note naming the rank
+    and saying the world is gone. Anything else (a rank killed by a signal, a timeout,
+    an interrupt) is the WorkerError, LaunchTimeout or MainProcessError as launch raises
+    it."""
+    after = (f"the world's {nprocs} ranks were torn down; the next %%ranks cell starts "
+             "fresh ones")
+    cause = err.__cause__
+    if cell and type(err) is WorkerError and isinstance(cause, Exception):
+        others = len(err.failures) - 1
+        note = (f"%%ranks: rank {err.rank} (pid {err.pid}) raised this"
+                + (f"; {others} more rank(s) failed after it" if others else "")
+                + f"; {after}.")
+        cause.__notes__ = [*getattr(cause, "__notes__", ()), note]
+        return cause
+    err.__notes__ = [*getattr(err, "__notes__", ()), f"%ranks: {after}."]
+    return err.with_traceback(None)
