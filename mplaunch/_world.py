@@ -172,8 +172,8 @@ class World:
         if group.running and not group.stopping:
             return [r.result for r in group.ranks]
         self._stop()
-        log.warning("mplaunch.World: a failed run tore the world's %d ranks down; the "
-                    "next run() starts fresh ranks", self.nprocs)
+        log.warning("mplaunch.World: the failed call tore the world's %d ranks down; the "
+                    "next call starts fresh ranks", self.nprocs)
         return results_or_raise(attempt)
 
     def _stop(self) -> None:
