@@ -26,7 +26,6 @@ def _pids(out, name):
             if f.name.startswith(name + "-rank")}
 
 
-@pytest.mark.slow
 def test_consecutive_tests_share_ranks_until_one_fails_or_the_size_changes(pytester):
     _inner_ini(pytester)
     out = _write_tests(pytester, "test_reuse", helpers=HELPERS, source="""
@@ -104,7 +103,6 @@ def test_consecutive_tests_share_ranks_until_one_fails_or_the_size_changes(pytes
     _assert_all_gone(_recorded_pids(out))
 
 
-@pytest.mark.slow
 def test_ini_default_opt_out_and_the_fixture(pytester):
     _inner_ini(pytester, mplaunch_reuse="true")
     out = _write_tests(pytester, "test_ini", helpers=HELPERS, source="""
@@ -140,7 +138,6 @@ def test_ini_default_opt_out_and_the_fixture(pytester):
     _assert_all_gone(_recorded_pids(out))
 
 
-@pytest.mark.slow
 def test_a_test_that_spoils_the_process_group_ends_the_world(pytester):
     _inner_ini(pytester)
     out = _write_tests(pytester, "test_spoil", helpers=HELPERS, source="""
