@@ -172,7 +172,8 @@ def main(argv=None) -> int:
            "load_average_before": os.getloadavg(), "modes": {}}
     for mode in [m for m in args.modes.split(",") if m]:
         n = args.mptc_tests if mode == "mptc" else args.tests
-        if mode in ("mptc", "continuous") and importlib.util.find_spec("expecttest") is None:
+        torch_base = mode in ("mptc", "continuous")
+        if torch_base and importlib.util.find_spec("expecttest") is None:
             # torch.testing._internal imports it; torch does not depend on it
             print(f"  {mode}: skipped, torch's test bases need expecttest "
                   "(pip install expecttest)", file=sys.stderr)
