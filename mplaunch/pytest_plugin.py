@@ -30,11 +30,26 @@ and ``timeout`` from the marker, else from the ``mplaunch_nprocs`` and
 
 Every process (and every pytest-xdist worker) keeps one warm server with torch and
 pytest imported, so a distributed test costs a fork per rank, not an interpreter start.
+
+``reuse=True`` on the marker (or ``mplaunch_reuse = true`` in the ini, with
+``reuse=False`` to opt a test out) runs consecutive tests that want the same world (the
+same launch options but ``timeout``) in one :class:`mplaunch.World`: the ranks and their
+process group stay up between tests. One world at a time per pytest process (per xdist
+worker): a reuse test that wants another world closes the current one first; the last
+is closed at the end of the session. Outcomes are those above; any test that does not
+pass (fails, skips or xfails in a rank, times out) ends the world, and so does one that
+leaves the ranks' process group unusable (destroyed, or a different number of
+collectives issued in different ranks), so the next test starts fresh ranks. Before
+each test a reused rank gets back its environment variables, working directory and
+random number generators' states as they were at its first test.
 """
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import pickle
+import random
 import sys
 
 import cloudpickle
@@ -42,11 +57,16 @@ import pytest
 
 from . import _procs
 from ._launch import launch as _launch
+from ._world import World
 from .errors import LaunchTimeout, MainProcessError, WorkerError
 
+_log = logging.getLogger("mplaunch")
+_REUSED = pytest.StashKey["_ReusedWorld"]()
+
 _MARKER_HELP = (
-    "mplaunch(nprocs=2, timeout=None, backend='gloo', **launch_kwargs): run the test "
-    "body in nprocs ranks with torch.distributed initialised (backend=None: not); the "
+    "mplaunch(nprocs=2, timeout=None, backend='gloo', reuse=False, **launch_kwargs): run "
+    "the test body in nprocs ranks with torch.distributed initialised (backend=None: "
+    "not); reuse=True: in ranks kept up for the next test of the same options; the "
     "other keywords go to mplaunch.launch")
 
 # Ranks unpickle the test with pytest already imported in the warm server: without it
@@ -59,10 +79,20 @@ def pytest_addoption(parser):
                   default="2")
     parser.addini("mplaunch_timeout", "default timeout in seconds of an mplaunch test "
                   "(none: no limit)", default="none")
+    parser.addini("mplaunch_reuse", "default of the mplaunch marker's reuse=: run "
+                  "consecutive tests of the same options in one mplaunch.World",
+                  type="bool", default=False)
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", _MARKER_HELP)
+    config.stash[_REUSED] = _ReusedWorld()
+
+
+def pytest_sessionfinish(session):
+    reused = session.config.stash.get(_REUSED, None)
+    if reused is not None:
+        reused.close()
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -88,7 +118,8 @@ def _ini_defaults(config) -> dict:
     timeout = str(config.getini("mplaunch_timeout")).strip().lower()
     try:
         return {"nprocs": int(nprocs),
-                "timeout": None if timeout in ("", "none") else float(timeout)}
+                "timeout": None if timeout in ("", "none") else float(timeout),
+                "reuse": bool(config.getini("mplaunch_reuse"))}
     except ValueError:
         raise pytest.UsageError(f"mplaunch_nprocs must be an int and mplaunch_timeout a "
                                 f"number or none, got {nprocs!r} and {timeout!r}") from None
@@ -115,6 +146,7 @@ def mplaunch(request):
     ``mplaunch`` marker, else the ini options) as defaults."""
     opts = _marker_options(request.node)
     opts.pop("backend")
+    opts.pop("reuse")
     return functools.partial(_launch, **opts)
 
 
@@ -127,6 +159,7 @@ def pytest_pyfunc_call(pyfuncitem):
     __tracebackhide__ = True
     opts = _marker_options(pyfuncitem)
     backend = opts.pop("backend")
+    reuse = opts.pop("reuse")
     func = pyfuncitem.obj
     kwargs = {name: pyfuncitem.funcargs[name]
               for name in pyfuncitem._fixtureinfo.argnames}
@@ -135,14 +168,18 @@ def pytest_pyfunc_call(pyfuncitem):
     except TypeError as err:
         err.__cause__, err.__suppress_context__ = None, True  # the message says it all
         raise _at_test(err, pyfuncitem) from None
-    if opts.get("start_method") in (None, "forkserver"):
+    settings = _assertion_settings(pyfuncitem.config)
+    if not reuse and opts.get("start_method") in (None, "forkserver"):
         # launch's timeout starts before its server is ready; a cold one (torch being
-        # imported) must not eat the first test's timeout.
+        # imported) must not eat the first test's timeout. (A World waits for it before
+        # its first run's timeout starts.)
         _procs.get_server(opts["preload"]).wait_ready()
     failure = None
     try:
-        _launch(_run_in_rank, (blob, backend, _assertion_settings(pyfuncitem.config)),
-                **opts)
+        if reuse:
+            pyfuncitem.config.stash[_REUSED].run(blob, settings, backend, opts)
+        else:
+            _launch(_run_in_rank, (blob, backend, settings), **opts)
     except MainProcessError as err:
         if err.signal_name == "SIGINT":
             raise KeyboardInterrupt from err  # Ctrl-C ends the session, as without us
@@ -154,6 +191,62 @@ def pytest_pyfunc_call(pyfuncitem):
         # as it was, not as "during handling of WorkerError".
         raise _outcome_for(failure, opts["nprocs"], pyfuncitem)
     return True
+
+
+class _ReusedWorld:
+    """The one World this pytest process keeps for ``reuse=True`` tests, and the options
+    it was made with. One at a time: the ranks of a world that waits for a test that may
+    never come would hold memory (and GPUs) that the other tests need."""
+
+    def __init__(self):
+        self.world: "World | None" = None
+        self.key = None
+
+    def run(self, blob: bytes, settings: dict, backend, opts: dict) -> None:
+        """Run the test in the world of these options, made now (after closing the
+        current one) if they are not the current world's. Raises as launch() would."""
+        world = self._world_for(backend, opts)
+        initialized = bool(backend)
+        try:
+            health = world.run(_run_in_reused_rank, (blob, settings, initialized),
+                               timeout=opts["timeout"])
+        except BaseException:
+            self.close()   # the World has torn its ranks down already; forget it
+            raise
+        problem = _unhealthy(health, initialized)
+        if problem is not None:
+            _log.warning("mplaunch: %s; the next reuse test starts fresh ranks", problem)
+            self.close()
+
+    def _world_for(self, backend, opts: dict) -> World:
+        options = {k: v for k, v in opts.items() if k not in ("nprocs", "timeout")}
+        # Compared with ==, not hashed: env may be a dict (or a callable).
+        key = (opts["nprocs"], backend, sorted(options.items(), key=lambda kv: kv[0]))
+        if self.world is not None and self.key != key:
+            self.close()
+        if self.world is None:
+            self.world = World(opts["nprocs"], backend=backend, **options)
+            self.key = key
+        return self.world
+
+    def close(self) -> None:
+        world, self.world, self.key = self.world, None, None
+        if world is not None:
+            world.close()
+
+
+def _unhealthy(health: list, initialized: bool):
+    """Why the ranks, which all passed the test, cannot serve the next one (or None).
+    Free: every rank's answer already carries what is compared."""
+    if any(h["initialized"] != initialized for h in health):
+        return ("the test destroyed the process group" if initialized else
+                "the test left a process group initialised")
+    seqs = {h["seq"] for h in health}
+    if len(seqs) > 1:
+        # A collective issued in some ranks only would pair with the next test's.
+        return (f"the ranks issued different numbers of collectives "
+                f"(sequence numbers {[h['seq'] for h in health]})")
+    return None
 
 
 def _dumps_test(func, kwargs) -> bytes:
@@ -299,6 +392,62 @@ def _run_in_rank(blob: bytes, backend, assertion_settings: dict):
             # peer", about 1 in 100 empty tests here): leave together.
             dist.barrier()
         dist.destroy_process_group()
+
+
+# What a reused rank had before its first test, given back before each later one.
+_first_state: dict = {}
+
+
+def _run_in_reused_rank(blob: bytes, settings: dict, initialized: bool) -> dict:
+    """_run_in_rank in a World's rank, which keeps its process group (the World made it)
+    and its process between tests: undo what is cheap to undo of the last test, run this
+    one, and say whether the process group can serve the next."""
+    __tracebackhide__ = True
+    if not _first_state:
+        _first_state.update(_snapshot())
+    else:
+        _restore(_first_state)
+    _run_in_rank(blob, None, settings)
+    return _group_health()
+
+
+def _snapshot() -> dict:
+    state = {"environ": dict(os.environ), "cwd": os.getcwd(), "random": random.getstate()}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state["torch"] = torch.get_rng_state()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    return state
+
+
+def _restore(state: dict) -> None:
+    if os.environ != state["environ"]:
+        os.environ.clear()
+        os.environ.update(state["environ"])
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        cwd = None   # the last test removed the directory it moved to
+    if cwd != state["cwd"]:
+        os.chdir(state["cwd"])
+    random.setstate(state["random"])
+    if "torch" in state:
+        sys.modules["torch"].set_rng_state(state["torch"])
+    if "numpy" in state:
+        sys.modules["numpy"].random.set_state(state["numpy"])
+
+
+def _group_health() -> dict:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return {"initialized": False, "seq": None}
+    try:
+        seq = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+    except Exception:  # noqa: BLE001 - a torch without it, or a backend that lacks it
+        seq = None
+    return {"initialized": True, "seq": seq}
 
 
 def _without_hidden_tail(tb):
