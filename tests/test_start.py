@@ -45,8 +45,10 @@ def sleep_forever():
     time.sleep(600)
 
 
-def exit_three():
-    sys.exit(3)
+def exit_three_in_rank_one():
+    if os.environ["RANK"] == "1":
+        sys.exit(3)
+    time.sleep(60)
 
 
 # -- the handle ---------------------------------------------------------------------------
@@ -128,7 +130,7 @@ def _same_error(a, b):
 
 @pytest.mark.parametrize("func,options", [
     (fail_in_rank_one, {"grace_period": 1}),
-    (exit_three, {}),
+    (exit_three_in_rank_one, {"grace_period": 1}),
     (sleep_forever, {"timeout": 2, "grace_period": 1}),
 ])
 def test_start_raises_what_launch_raises(func, options):
@@ -180,7 +182,8 @@ def test_many_handles_in_a_row_leak_nothing():
     for i in range(20):
         h = mplaunch.start(whoami, (i,), 2)
         if i % 4 == 3:
-            h.stop()
+            assert h.wait(60)
+            h.stop()  # after the ranks returned: the results stay
         assert [x for _, _, x in h.result(60)] == [i, i]
     for i in range(5):
         h = mplaunch.start(sleep_forever, nprocs=2, grace_period=1)
