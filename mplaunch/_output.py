@@ -214,14 +214,19 @@ class StreamRelay:
         except Exception:  # noqa: BLE001 - a closed or broken sink must not stop the launch
             self.sink = self._bytes = None
 
-    def close(self) -> None:
-        """End of the stream: a last line without its newline is written as a line."""
+    def end_line(self) -> None:
+        """A line left open (no newline yet, or a progress bar) is written as a line:
+        at the end of the stream, or of a World's call."""
         if self.sink is not None:
             last = bytes(self._pending) or (self._state if self._progress else b"")
             if last:
                 self._write(self.prefix + last + b"\n")
         self._pending = bytearray()
         self._progress, self._state, self._drawn = False, b"", None
+
+    def close(self) -> None:
+        """End of the stream: a last line without its newline is written as a line."""
+        self.end_line()
         if self.sink is not None:
             try:
                 self.sink.flush()

@@ -170,6 +170,7 @@ class World:
             self._stop()
             raise
         if group.running and not group.stopping:
+            group.relay_written()
             return [r.result for r in group.ranks]
         self._stop()
         log.warning("mplaunch.World: a failed run tore the world's %d ranks down; the "
