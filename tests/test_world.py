@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -234,7 +235,8 @@ def test_bad_world_arguments_raise_at_once(kwargs, exc, match):
     (lambda w: w.run(whoami, args=5), TypeError),
     (lambda w: w.run(whoami, kwargs=[1]), TypeError),
     (lambda w: w.run(whoami, timeout=-1), ValueError),
-    (lambda w: w.run(lambda: 1, args=(lambda: None,) * 0, kwargs={"f": open}), Exception),
+    # an argument that cannot be pickled: refused here, not in the ranks
+    (lambda w: w.run(whoami, args=(threading.Lock(),)), TypeError),
 ])
 def test_bad_run_arguments_raise_before_any_rank_starts(call, exc):
     with mplaunch.World(2) as world:
