@@ -119,6 +119,22 @@ class RankGroup:
     def replied(self) -> bool:
         return all(r.has_result for r in self.ranks)
 
+    def relay_written(self) -> None:
+        """Relay all the ranks have written so far, a last line without its newline
+        included: once every rank has answered a call, that call's output goes to the
+        streams it was called with, not to the next call's (the ranks flushed their
+        streams before answering; the pipes may hold more than one read)."""
+        for r in self.ranks:
+            for fd, relay in ((r.out_fd, r.out), (r.err_fd, r.err)):
+                if fd is None or relay is None:
+                    continue
+                while True:
+                    chunk = read_pipe(fd)
+                    if not chunk:
+                        break  # empty for now, or EOF (wait() unregisters it)
+                    relay.feed(chunk)
+                relay.end_line()
+
     def relay_to(self, stdout, stderr) -> None:
         """Relay the ranks' output to these streams from now on."""
         for r in self.ranks:

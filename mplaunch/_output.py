@@ -396,8 +396,9 @@ class StreamRelay:
             if self._screen is not None and self._screen.owner is self:
                 self._screen.owner = None
 
-    def close(self) -> None:
-        """End of the stream: a last line without its newline is written as a line."""
+    def end_line(self) -> None:
+        """A line left open (no newline yet, or a progress bar) is written as a line:
+        at the end of the stream, or of a World's call."""
         if self.sink is not None:
             if self._shown is not None:
                 self._put(bytes(self._pending)[len(self._shown):] + b"\n")
@@ -410,6 +411,10 @@ class StreamRelay:
         self._pending = bytearray()
         self._progress, self._state, self._drawn = False, b"", None
         self._leave_screen()
+
+    def close(self) -> None:
+        """End of the stream: a last line without its newline is written as a line."""
+        self.end_line()
         if self.sink is not None:
             try:
                 self.sink.flush()

@@ -22,6 +22,7 @@ import selectors
 import signal
 import socket
 import sys
+import time
 import traceback
 
 from . import _sys
@@ -300,8 +301,20 @@ class Server:
         """The launching process is gone (or asked us to stop): leave nothing behind."""
         for launch in list(self.launches.values()):
             self._close_launch(launch)
-        for pid in _sys.descendants_of(self.pid):
-            _sys.kill_quiet(pid, signal.SIGKILL)
+        # A rank that was just sent SIGKILL hands its orphans (a grandchild in a session
+        # of its own) to us only as it exits, which may be after one look below us has
+        # missed them; and once we are gone they would go to init. So: kill what is
+        # below us, reap, and look again, until no child is left.
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            for pid in _sys.descendants_of(self.pid):
+                _sys.kill_quiet(pid, signal.SIGKILL)
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break  # nothing is below us any more
+            if pid == 0:
+                time.sleep(0.002)
         os._exit(0)
 
 

@@ -195,6 +195,9 @@ def _send(sock, msg) -> None:
 
 
 def _send_raw(sock, data: bytes, fds) -> None:
+    # What the call printed reaches the pipes before its answer reaches the parent: a
+    # World's run ends with all of its own output (a last line without its newline too).
+    _flush_streams()
     try:
         send_framed(sock, data, fds)
     except OSError:

@@ -12,8 +12,7 @@ import contextlib
 import logging
 import os
 import sys
-import weakref
-from typing import Any, Callable, List, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVar
 
 from . import _procs, _signals, _store, _sys
 from ._attempt import Attempt
@@ -24,7 +23,10 @@ from ._serialize import dumps_payload
 log = logging.getLogger("mplaunch")
 T = TypeVar("T")
 
-_open: "weakref.WeakSet[World]" = weakref.WeakSet()
+# Strong references: a World nobody refers to any more is still open (its ranks, pipes and
+# store are up) and must be closed at exit. With weak ones, a world made in a function
+# that returned was dropped unclosed: its fds stayed open and its ranks ended by EOF.
+_open: "Set[World]" = set()
 
 
 def _setup_rank(backend: Optional[str]) -> None:
@@ -108,6 +110,7 @@ class World:
     def close(self) -> None:
         """End every rank and release the store's port. Idempotent."""
         self._closed = True
+        _open.discard(self)
         self._stop()
 
     def __enter__(self) -> "World":
@@ -170,6 +173,7 @@ class World:
             self._stop()
             raise
         if group.running and not group.stopping:
+            group.relay_written()
             return [r.result for r in group.ranks]
         self._stop()
         log.warning("mplaunch.World: the failed call tore the world's %d ranks down; the "
