@@ -395,7 +395,7 @@ def _failure(rank, exc_type, message, ts):
                        message=message, traceback=f"Traceback: {message}\n", timestamp=ts)
 
 
-OUTCOME = f"{pytest_plugin.__name__}._RankOutcome"
+OUTCOME = f"{pytest_plugin._RankOutcome.__module__}._RankOutcome"
 
 
 def test_the_first_failing_rank_decides_the_outcome():
