@@ -116,8 +116,23 @@ def run_rank(spec, fds: dict, expected_ppid: int):
             pass
     finally:
         _flush_streams()
+        _run_multiprocessing_finalizers()
         _kill_descendants()
         os._exit(code)
+
+
+def _run_multiprocessing_finalizers() -> None:
+    # os._exit skips them, and the resource tracker that would clean up after them dies
+    # with the rank's other children: the named semaphores of a spawn or forkserver
+    # DataLoader's queues would stay in /dev/shm. Priority >= 0 only: those unlink and
+    # terminate; the lower ones join queue feeder threads, which could wait forever.
+    util = sys.modules.get("multiprocessing.util")
+    if util is None:
+        return
+    try:
+        util._run_finalizers(0)
+    except BaseException:  # noqa: BLE001 - exiting anyway
+        pass
 
 
 def _kill_descendants() -> None:
