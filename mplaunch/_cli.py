@@ -230,15 +230,6 @@ def _port(text: str) -> int:
     return n
 
 
-def split_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]):
-    """(mplaunch's options, target, the target's arguments). The target is the first
-    argument that is neither an option nor an option's value; what follows it is passed
-    on untouched, '--' and option-like words included (argparse would eat a '--').
-    mplaunch's own long options come back with any '_' in their name spelled '-'."""
-    options, target, rest, _unknown = _walk(parser, argv)
-    return options, target, rest
-
-
 def _normalize(tok: str) -> str:
     # torchrun takes --nproc_per_node and --nproc-per-node alike; so does mplaunch, for
     # every option, without listing each spelling twice in --help.
@@ -249,7 +240,11 @@ def _normalize(tok: str) -> str:
 
 
 def _walk(parser: argparse.ArgumentParser, argv: Sequence[str]):
-    """split_command_line's work, plus the option words that name no option."""
+    """(mplaunch's options, target, the target's arguments, the option words that name
+    no option). The target is the first argument that is neither an option nor an
+    option's value; what follows it is passed on untouched, '--' and option-like words
+    included (argparse would eat a '--'). mplaunch's own long options come back with any
+    '_' in their name spelled '-'."""
     known = parser._option_string_actions
     argv = list(argv)
     options: List[str] = []

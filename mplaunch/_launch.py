@@ -136,7 +136,6 @@ class Run:
         self.payload = payload
         self.forward_signals = forward_signals  # else the caller forwards (Handle.wait)
         self.attempt: Optional[Attempt] = None
-        self.signal_received: Optional[int] = None
         self.stop_asked = False
         self.stop_grace: Optional[float] = None
         self.started = threading.Event()   # the first attempt's ranks all have pids
@@ -159,7 +158,6 @@ class Run:
 
     def on_signal(self, signo: int) -> None:
         """From a signal handler or another thread: the current attempt stops."""
-        self.signal_received = signo
         attempt = self.attempt
         if attempt is not None:
             attempt.on_signal(signo)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import os
 import sys
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVar
 
@@ -66,7 +65,6 @@ class World:
         self.backend = backend
         self._attempt: Optional[Attempt] = None
         self._stack: Optional[contextlib.ExitStack] = None
-        self._waker: Optional[_signals.Waker] = None
         self._generation = 0       # how many times ranks were started
         self._closed = False
         _open.add(self)
@@ -137,7 +135,7 @@ class World:
                 stack.callback(_procs.disown_fd, fd)
             setup = _sys.memfd_with(dumps_payload(_setup_rank, (self.backend,), {}),
                                     "mplaunch-payload")
-            stack.callback(_close_quiet, setup)
+            stack.callback(_procs.close_fd, setup)
             _procs.get_server(cfg.server_preload).wait_ready()
             specs = rank_specs(cfg, self._generation, hosted.port, hosted.address,
                                serve=True)
@@ -148,7 +146,7 @@ class World:
         except BaseException:
             stack.close()
             raise
-        self._attempt, self._stack, self._waker = attempt, stack, waker
+        self._attempt, self._stack = attempt, stack
         self._wait_replies(attempt, None)   # every rank has run its setup
 
     def _call(self, payload: bytes, timeout: Optional[float]) -> list:
@@ -160,7 +158,7 @@ class World:
         except OSError:
             pass  # a rank is gone: the loop below finds out which, and why
         finally:
-            _close_quiet(fd)
+            _procs.close_fd(fd)
         return self._wait_replies(attempt, timeout)
 
     def _wait_replies(self, attempt: Attempt, timeout: Optional[float]) -> list:
@@ -190,13 +188,6 @@ class World:
             attempt.drive()          # SIGTERM, then SIGKILL after the grace period
         finally:
             stack.close()            # the group, the setup memfd, the waker, the store
-
-
-def _close_quiet(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
 
 
 @atexit.register
