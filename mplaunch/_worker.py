@@ -146,6 +146,9 @@ def _kill_descendants() -> None:
 def _run_and_report(spec, fds: dict) -> int:
     import socket
     sock = socket.socket(fileno=fds["result"])
+    if spec.serve:
+        from ._pgroup import arm_release
+        arm_release()   # before the first call: every thread must inherit its mask
     code = _call_and_report(sock, spec, fds["payload"])
     if spec.serve:
         # A World's rank: more calls follow, until the parent ends the world.
@@ -346,9 +349,10 @@ def _patch_rendezvous(mod) -> None:
         world_size = int(os.environ["WORLD_SIZE"])
         kw = {} if timeout is None else {"timeout": timeout}
         store = TCPStore(host, int(port), world_size, False, **kw)
-        prefix = os.environ.get("MPLAUNCH_STORE_PREFIX")
-        if prefix:
-            store = PrefixStore(prefix, store)
+        # A key space per group: see _pgroup (why a reused one hangs or resets).
+        from ._pgroup import next_key_space
+        prefix = os.environ.get("MPLAUNCH_STORE_PREFIX", "") + next_key_space()
+        store = PrefixStore(prefix, store)
         yield (store, rank, world_size)
         raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 
