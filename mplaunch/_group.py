@@ -52,6 +52,10 @@ class RankGroup:
         self._channel: Optional[socket.socket] = None
         self._fork_descendants: set = set()
         self._closed = False
+        # A healing World's call: an error a rank sends is its answer, not a reason to
+        # tear down (_heal decides what follows). Local ranks that answered this call:
+        self.heal = False
+        self.answered: set = set()
 
     @property
     def running(self) -> bool:
@@ -111,6 +115,7 @@ class RankGroup:
     def call(self, payload_fd: int) -> None:
         """Ask every rank to run the payload in `payload_fd` next; wait() until
         ``replied``."""
+        self.answered = set()
         for r in self.ranks:
             r.has_result, r.result = False, None
             send_framed(r.reader.sock, b"c", [payload_fd])
@@ -118,6 +123,11 @@ class RankGroup:
     @property
     def replied(self) -> bool:
         return all(r.has_result for r in self.ranks)
+
+    @property
+    def all_answered(self) -> bool:
+        """Every rank answered this call, with a result or an error."""
+        return len(self.answered) == len(self.ranks)
 
     def relay_written(self) -> None:
         """Relay all the ranks have written so far, a last line without its newline
@@ -237,23 +247,32 @@ class RankGroup:
             try:
                 r.result = loads_result(body, fds)
                 r.has_result = True
+                self.answered.add(r.local_rank)
             except Exception as exc:  # noqa: BLE001
                 r.error = ("err", None, type(exc).__name__,
                            f"the parent could not unpickle rank {r.spec.rank}'s return "
                            f"value: {exc}", None, 1, time.time())
                 if not self.stopping:
-                    self.fail(self._failure_from_error(r, r.error))
+                    self._answered_error(r, self._failure_from_error(r, r.error))
             return
         for fd in fds:
             os.close(fd)
         msg = pickle.loads(body)
         if msg[0] == "ok":
             r.result, r.has_result = msg[1], True
+            self.answered.add(r.local_rank)
         elif msg[0] == "err":
             r.error = msg
             # An error raised after the teardown began is its consequence, not a cause.
             if not self.stopping or msg[6] <= self.stop_wall:
-                self.fail(self._failure_from_error(r, msg))
+                self._answered_error(r, self._failure_from_error(r, msg))
+
+    def _answered_error(self, r: RankState, failure: RankFailure) -> None:
+        if self.heal and r.spec.serve and not self.stopping:
+            self.failures.append(failure)   # the rank is alive and waits for a call
+            self.answered.add(r.local_rank)
+        else:
+            self.fail(failure)
 
     def _read_output(self, fd: int, relay: StreamRelay) -> None:
         chunk = read_pipe(fd)

@@ -3,7 +3,9 @@
 A World is one Attempt whose ranks serve calls (_serve) instead of running one function
 and exiting. Each run() is a call driven to its replies by the same loop launch() uses,
 so failures, timeouts, signals, output and teardown behave as for launch(). A run that
-fails tears the world down; the next run starts fresh ranks.
+fails heals the world where it can (_heal drives the call, _pgroup is the ranks' side):
+the ranks and their state stay, and the process group is rebuilt if a collective was
+left half-done. What cannot be healed is torn down; the next run starts fresh ranks.
 """
 from __future__ import annotations
 
@@ -16,8 +18,11 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVa
 from . import _procs, _signals, _store, _sys
 from ._attempt import Attempt
 from ._config import LaunchConfig, check_call, rank_specs, seconds, validate, with_streams
-from ._outcome import results_or_raise
+from ._heal import CallDriver
+from ._outcome import error_for, results_or_raise
+from ._pgroup import RELEASE_SIGNAL, group_state, rebuild
 from ._serialize import dumps_payload
+from .errors import MainProcessError
 
 log = logging.getLogger("mplaunch")
 T = TypeVar("T")
@@ -43,16 +48,25 @@ class World:
     Takes the keyword arguments of :func:`mplaunch.launch` (``timeout`` applies to each
     run). The ranks start at the first ``run`` (or ``start()``); with ``backend`` each
     has called ``torch.distributed.init_process_group(backend)`` before it. A failing
-    run raises as ``launch`` does and tears the world down; the next ``run`` starts
-    fresh ranks. ``restart()`` does so on purpose. ``close()`` (or leaving the ``with``
+    run raises as ``launch`` does; with ``heal=True`` (the default) the world heals
+    where it can: a rank's exception, a collective left half-done, an interrupt or a
+    timeout keep the ranks and their state (the process group is rebuilt if it has
+    to be, and the error says so); what cannot be healed is torn down and the next
+    ``run`` starts fresh ranks, as always with ``heal=False``. ``restart()`` starts
+    fresh ranks on purpose. ``close()`` (or leaving the ``with``
     block) ends every process; a world left open is closed at interpreter exit.
     """
 
     __module__ = "mplaunch"
 
-    def __init__(self, nprocs: Any = 1, backend: Optional[str] = None, **options: Any):
+    def __init__(self, nprocs: Any = 1, backend: Optional[str] = None, heal: bool = True,
+                 **options: Any):
         if "kwargs" in options:
             raise TypeError("World takes no kwargs=; pass them to run()")
+        if not isinstance(heal, bool):
+            raise TypeError(f"heal must be True (keep the ranks through a failed run) or "
+                            f"False (tear them down), got {heal!r}")
+        self.heal = heal
         self.cfg: LaunchConfig = validate(_setup_rank, (backend,), nprocs, options)
         if self.cfg.nnodes > 1:
             raise ValueError("a World runs on one node; for several nodes use launch()")
@@ -98,6 +112,8 @@ class World:
         timeout = seconds("timeout", timeout, optional=True)
         payload = dumps_payload(func, args, kwargs or {})
         self.start()
+        if self.heal:
+            return self._healing_call(payload, timeout)
         return self._call(payload, timeout)
 
     def restart(self) -> "World":
@@ -149,7 +165,7 @@ class World:
         self._attempt, self._stack = attempt, stack
         self._wait_replies(attempt, None)   # every rank has run its setup
 
-    def _call(self, payload: bytes, timeout: Optional[float]) -> list:
+    def _send(self, payload: bytes) -> Attempt:
         attempt = self._attempt
         attempt.group.relay_to(sys.stdout, sys.stderr)
         fd = _sys.memfd_with(payload, "mplaunch-payload")
@@ -159,9 +175,78 @@ class World:
             pass  # a rank is gone: the loop below finds out which, and why
         finally:
             _procs.close_fd(fd)
-        return self._wait_replies(attempt, timeout)
+        return attempt
 
-    def _wait_replies(self, attempt: Attempt, timeout: Optional[float]) -> list:
+    def _call(self, payload: bytes, timeout: Optional[float]) -> list:
+        return self._wait_replies(self._send(payload), timeout)
+
+    def _healing_call(self, payload: bytes, timeout: Optional[float]) -> list:
+        attempt = self._send(payload)
+        group = attempt.group
+        driver = CallDriver(attempt, RELEASE_SIGNAL)
+        group.heal = True
+        try:
+            with _signals.forwarding(driver.on_signal, warn=False):
+                driver.drive(timeout)
+        except BaseException:
+            self._stop()
+            raise
+        finally:
+            group.heal = False
+        if group.stopping or not group.running:
+            return self._torn_down(attempt)
+        group.relay_written()
+        if not (group.failures or attempt.timed_out or driver.interrupted):
+            return [r.result for r in group.ranks]
+        error = (KeyboardInterrupt() if driver.interrupted and not attempt.timed_out
+                 else error_for(attempt))
+        _forget_failures(attempt)
+        kept = self._settle(driver.released)
+        if isinstance(error, KeyboardInterrupt):
+            error.args = (f"mplaunch.World: the ranks were interrupted; {kept}",)
+        else:
+            error.healed = kept
+        raise error
+
+    def _settle(self, released: bool) -> str:
+        """Bring the ranks' process group back to a state all agree on, after a failed
+        call every rank answered; what the world kept, said for the error."""
+        try:
+            states = self._control(group_state, (), None)
+            live = [s for s in states if s["initialized"]]
+            seqs = {s["seq"] for s in live}
+            if not (released or (live and len(live) != len(states)) or len(seqs) > 1):
+                return ("the world was kept: its ranks, their state and their process "
+                        "group are as the failed run left them")
+            backends = {s["backend"] for s in live}
+            backend = backends.pop() if len(backends) == 1 else self.backend
+            n = max(s["incarnation"] for s in states)
+            stale = self._control(rebuild, (backend, n), max(30.0, self.cfg.grace_period))
+        except (KeyboardInterrupt, MainProcessError):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - whatever it was, it cannot be healed
+            return (f"the world could not be healed ({type(exc).__name__}) and was torn "
+                    "down; the next run starts fresh ranks")
+        why = ("a collective was left half-done" if released
+               else "the ranks left it in different states")
+        if backend is None:
+            return f"the world was kept: its ranks and their state ({why}; no group now)"
+        holders = sorted({name for names in stale for name in names})
+        remake = (f"; made with the old group, these must be made again: "
+                  f"{', '.join(holders)}" if holders else "")
+        return (f"the world was kept: its ranks and their state; the process group was "
+                f"rebuilt ({why}){remake}. Objects that hold the old group (a "
+                "DistributedDataParallel module, groups from new_group) must be made "
+                "again: ddp = DistributedDataParallel(module) broadcasts rank 0's "
+                "parameters")
+
+    def _control(self, func, args, timeout) -> list:
+        """A call of mplaunch's own in every rank; torn down and raised if it fails."""
+        payload = dumps_payload(func, args, {})
+        return self._wait_replies(self._send(payload), timeout, quiet=True)
+
+    def _wait_replies(self, attempt: Attempt, timeout: Optional[float],
+                      quiet: bool = False) -> list:
         group = attempt.group
         try:
             with _signals.forwarding(attempt.on_signal, warn=False):
@@ -173,9 +258,13 @@ class World:
         if group.running and not group.stopping:
             group.relay_written()
             return [r.result for r in group.ranks]
+        return self._torn_down(attempt, quiet)
+
+    def _torn_down(self, attempt: Attempt, quiet: bool = False) -> list:
         self._stop()
-        log.warning("mplaunch.World: the failed call tore the world's %d ranks down; the "
-                    "next call starts fresh ranks", self.nprocs)
+        if not quiet:
+                log.warning("mplaunch.World: the failed call tore the world's %d ranks down; "
+                        "the next call starts fresh ranks", self.nprocs)
         return results_or_raise(attempt)
 
     def _stop(self) -> None:
@@ -188,6 +277,16 @@ class World:
             attempt.drive()          # SIGTERM, then SIGKILL after the grace period
         finally:
             stack.close()            # the group, the setup memfd, the waker, the store
+
+
+def _forget_failures(attempt: Attempt) -> None:
+    """The world goes on: the next call starts with nothing failed."""
+    group = attempt.group
+    group.failures = []
+    for r in group.ranks:
+        r.error = None
+    attempt.timed_out, attempt.stacks = False, {}
+    attempt.signal_received = None
 
 
 @atexit.register

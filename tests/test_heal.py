@@ -75,3 +75,170 @@ def test_recovery_sequence_twenty_times_in_a_world_with_a_kept_model(method):
         steps = world.run(recover, (20,))
         assert steps[0] == steps[1] and len(set(steps[0])) == 1
         assert world.run(recover, (2,))[0] == steps[0][:2]   # and again, in the same ranks
+
+
+# -- items 1-3, 5, 6: a World that heals -----------------------------------------------------
+
+def count_calls():
+    st = mplaunch.rank_state()
+    st["calls"] = st.get("calls", 0) + 1
+    return st["calls"]
+
+
+def typo_in_rank_one():
+    count_calls()
+    if os.environ["RANK"] == "1":
+        undefined_name  # noqa: F821 - the typo of the issue
+    return "fine"
+
+
+def group_id():
+    import torch.distributed as dist
+    return id(dist.group.WORLD)
+
+
+def allreduce_sum():
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def raise_while_peer_waits_in_allreduce():
+    import torch
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        raise ValueError("rank one fails before the collective")
+    dist.all_reduce(torch.ones(1))   # waits for rank 1: forever, unless released
+    return "unreachable"
+
+
+def train_step():
+    """One DDP step with the kept model; the weights' checksum (equal in every rank)."""
+    import torch
+    st = mplaunch.rank_state()
+    st["ddp"](torch.ones(4, 8)).sum().backward()
+    with torch.no_grad():
+        for p in st["m"].parameters():
+            p -= 0.1 * p.grad
+            p.grad = None
+    return round(float(sum(p.detach().sum() for p in st["m"].parameters())), 4)
+
+
+def rewrap():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    st = mplaunch.rank_state()
+    del st["ddp"]
+    st["ddp"] = DDP(st["m"])
+
+
+def sleep_in_rank_one(flag_dir):
+    open(os.path.join(flag_dir, f"in.{os.environ['RANK']}"), "w").close()
+    if os.environ["RANK"] == "1":
+        time.sleep(600)
+    return "done"
+
+
+def busy_loop_everywhere(flag_dir):
+    open(os.path.join(flag_dir, f"in.{os.environ['RANK']}"), "w").close()
+    st = mplaunch.rank_state()
+    while True:
+        st["spins"] = st.get("spins", 0) + 1
+
+
+def _wait_for(paths, timeout=60):
+    end = time.monotonic() + timeout
+    while not all(os.path.exists(p) for p in paths):
+        assert time.monotonic() < end, f"never appeared: {paths}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_an_exception_with_no_collective_half_done_keeps_ranks_state_and_group(method):
+    with mplaunch.World(2, backend="gloo", start_method=method) as world:
+        assert world.run(count_calls) == [1, 1]
+        pids, groups = world.pids, world.run(group_id)
+        with pytest.raises(mplaunch.WorkerError) as info:
+            world.run(typo_in_rank_one)
+        err = info.value
+        assert err.rank == 1 and type(err.__cause__) is NameError
+        assert "world was kept" in str(err) and "process group" in err.healed
+        assert world.pids == pids                     # the same processes
+        assert world.run(count_calls) == [3, 3]       # their state
+        assert world.run(group_id) == groups          # and their process group
+        assert world.run(allreduce_sum) == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_collective_left_half_done_is_released_and_the_group_rebuilt(method):
+    with mplaunch.World(2, backend="gloo", start_method=method) as world:
+        assert world.run(wrap_model) == [True, True]
+        pids = world.pids
+        with pytest.raises(mplaunch.WorkerError) as info:
+            world.run(raise_while_peer_waits_in_allreduce, timeout=300)
+        err = info.value
+        assert err.rank == 1 and type(err.__cause__) is ValueError
+        assert not isinstance(err, mplaunch.LaunchTimeout)   # released, not timed out
+        assert "rebuilt" in err.healed and "rank_state()['ddp']" in err.healed
+        assert world.pids == pids
+        assert world.run(allreduce_sum) == [3.0, 3.0]    # the new group works
+        world.run(rewrap)                                # as the error says
+        a, b = world.run(train_step)
+        assert a == b
+
+
+def test_heal_false_tears_down_as_before():
+    with mplaunch.World(2, heal=False, grace_period=1) as world:
+        world.run(count_calls)
+        pids = world.pids
+        with pytest.raises(mplaunch.WorkerError) as info:
+            world.run(typo_in_rank_one)
+        assert info.value.healed is None
+        assert world.pids == {}
+        assert world.run(count_calls) == [1, 1]
+        assert not set(world.pids.values()) & set(pids.values())
+
+
+def test_a_timeout_shows_the_stacks_then_interrupts_and_keeps_the_world(tmp_path):
+    with mplaunch.World(2, grace_period=5) as world:
+        world.run(count_calls)
+        pids = world.pids
+        with pytest.raises(mplaunch.LaunchTimeout) as info:
+            world.run(sleep_in_rank_one, (str(tmp_path),), timeout=2)
+        err = info.value
+        assert "sleep_in_rank_one" in err.stacks[1] and "world was kept" in str(err)
+        assert world.pids == pids
+        assert world.run(count_calls) == [2, 2]
+
+
+def test_sigint_interrupts_every_rank_keeps_the_world_and_raises_keyboard_interrupt(
+        tmp_path):
+    import threading
+
+    def interrupt():
+        _wait_for([tmp_path / "in.0", tmp_path / "in.1"])
+        os.kill(os.getpid(), signal.SIGINT)
+
+    with mplaunch.World(2, grace_period=5) as world:
+        world.run(count_calls)
+        pids = world.pids
+        t = threading.Thread(target=interrupt)
+        t.start()
+        try:
+            with pytest.raises(KeyboardInterrupt) as info:
+                world.run(busy_loop_everywhere, (str(tmp_path),))
+        finally:
+            t.join()
+        assert "interrupted" in str(info.value) and "kept" in str(info.value)
+        assert world.pids == pids
+        assert world.run(count_calls) == [2, 2]
+
+
+def test_an_error_survives_pickling_with_what_the_world_kept():
+    import pickle
+    with mplaunch.World(2) as world:
+        with pytest.raises(mplaunch.WorkerError) as info:
+            world.run(typo_in_rank_one)
+    again = pickle.loads(pickle.dumps(info.value))
+    assert again.healed == info.value.healed and str(again) == str(info.value)
