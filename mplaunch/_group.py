@@ -363,7 +363,11 @@ class RankGroup:
     def watch_stacks(self, ranks: Sequence[RankState]) -> None:
         """Start collecting these ranks' stack dumps into their ``stack_text``."""
         for r in ranks:
-            self._sel.register(r.stack_fd, selectors.EVENT_READ, ("stack", r))
+            r.stack_text = b""   # a World's rank may be asked again at a later timeout
+            try:
+                self._sel.register(r.stack_fd, selectors.EVENT_READ, ("stack", r))
+            except KeyError:
+                pass             # still registered since then
 
     def _signal(self, signo: int, ranks) -> None:
         """`signo` to each rank's whole process group (its descendants too)."""

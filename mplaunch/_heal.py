@@ -57,6 +57,7 @@ class CallDriver:
         """Until every rank has answered, or the group is being torn down."""
         attempt, group = self.attempt, self.attempt.group
         grace = attempt.cfg.grace_period
+        timeout = attempt.cfg.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         while group.running and not group.stopping and not group.all_answered:
             group.wait(self._wait(deadline, grace))

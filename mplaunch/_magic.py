@@ -160,9 +160,12 @@ def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                             "where torch is installed), nccl, ..., or none")
     start.add_argument("--timeout", type=float, default=None,
                        help="seconds a cell may run before every rank's stack is shown "
-                            "and the world torn down (default: none)")
+                            "and its ranks interrupted (default: none)")
     start.add_argument("--grace-period", type=float, default=None,
                        help="seconds between SIGTERM and SIGKILL at teardown")
+    start.add_argument("--no-heal", dest="heal", action="store_false", default=None,
+                       help="tear the world down after any failed cell instead of "
+                            "keeping its ranks and their state")
     start.add_argument("--log-dir", default=None,
                        help="also write each rank's output to files in this directory")
     start.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
@@ -205,10 +208,13 @@ class _Ranks:
         ``%%ranks`` runs the cell in every rank (a world of 2 ranks with the gloo
         backend is started on first use); names it defines stay in each rank for the
         next ``%%ranks`` cell. Each rank's output shows, prefixed, under the cell; the
-        first failure is raised in the cell, the world is torn down and the next cell
-        starts fresh ranks. ``%%ranks --timeout S`` limits one cell.
+        first failure is raised in the cell and the world heals: its ranks and their
+        names stay (the error says if the process group was rebuilt); what cannot be
+        healed is torn down and the next cell starts fresh ranks. The stop button
+        interrupts every rank and keeps the world. ``%%ranks --timeout S`` limits one
+        cell.
 
-        ``%ranks start [N] [--backend B] [--timeout S] [--grace-period S]
+        ``%ranks start [N] [--backend B] [--timeout S] [--grace-period S] [--no-heal]
         [--log-dir D] [--env NAME=VALUE]``, ``%ranks stop``, ``%ranks restart``,
         ``%ranks push NAME...``, ``%ranks pull NAME`` (a list by rank), and ``%ranks``
         (status). ``%ranks --help`` and ``%ranks start --help`` list the options.
@@ -261,7 +267,7 @@ class _Ranks:
             settings["nprocs"] = args.nprocs
         if args.backend is not None:
             settings["backend"] = None if args.backend.lower() == "none" else args.backend
-        for key in ("timeout", "grace_period", "log_dir"):
+        for key in ("timeout", "grace_period", "log_dir", "heal"):
             value = getattr(args, key)
             if value is not None:
                 settings[key] = value
@@ -374,10 +380,12 @@ class _Ranks:
             return world.run(func, args, timeout=timeout)
         except (WorkerError, LaunchTimeout, MainProcessError) as err:
             failure = err
-        self.torn_down = _why(failure)
-        # Out of the except block, so that it carries no __context__ of ours. The world
-        # is torn down now; the error below says why.
-        raise _shown(failure, world.nprocs, cell)
+        kept = bool(world.pids)
+        if not kept:
+            self.torn_down = _why(failure)
+        # Out of the except block, so that it carries no __context__ of ours. The error
+        # below says why, and whether the world was kept.
+        raise _shown(failure, world.nprocs, cell, kept)
 
 
 def _why(err: BaseException) -> str:
@@ -390,7 +398,8 @@ def _why(err: BaseException) -> str:
     return type(err).__name__
 
 
-def _shown(err: BaseException, nprocs: int, cell: bool) -> BaseException:
+def _shown(err: BaseException, nprocs: int, cell: bool, kept: bool = False
+           ) -> BaseException:
     """What the notebook shows for a failed run, without mplaunch's frames.
 
     A rank's exception raised by the cell's code is shown itself, as a failing cell
@@ -400,6 +409,8 @@ def _shown(err: BaseException, nprocs: int, cell: bool) -> BaseException:
     it."""
     after = (f"the world's {nprocs} ranks were torn down; the next %%ranks cell starts "
              "fresh ones")
+    if kept:
+        after = getattr(err, "healed", None) or "the world was kept"
     cause = err.__cause__
     if cell and type(err) is WorkerError and isinstance(cause, Exception):
         others = len(err.failures) - 1

@@ -20,20 +20,27 @@ _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 NO_STACK = "no stack arrived (it did not answer in time)"
 
 
+# Threads of mplaunch's own in a rank (a healing World's release thread), by the
+# function they run: never where the user's code waits.
+_OWN_THREADS = ("_release_loop",)
+
+
 def parse_dump(text: str) -> List[Tuple[str, List[Tuple[str, int, str]]]]:
     """[(thread header, [(file, line, func), ...innermost first])]"""
-    threads = []
+    threads, ours = [], set()
     for line in text.splitlines():
         m = _THREAD.match(line)
         if m:
             threads.append((line.rstrip(":").replace(" (most recent call first)", ""), []))
             continue
         f = _FRAME.match(line)
+        if f and threads and f["file"].startswith(_OWN_DIR) and f["func"] in _OWN_THREADS:
+            ours.add(len(threads) - 1)
         if f and threads and not f["file"].startswith(_OWN_DIR) and f["file"] != "<string>":
             # mplaunch's own frames (the server's loop, the worker's bootstrap) are
             # below every rank's stack and say nothing about where it waits
             threads[-1][1].append((f["file"], int(f["line"]), f["func"]))
-    return threads
+    return [t for i, t in enumerate(threads) if i not in ours]
 
 
 def format_frames(frames, limit: int = INNERMOST) -> List[str]:
