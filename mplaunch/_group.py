@@ -39,6 +39,7 @@ class RankGroup:
         self.cfg = cfg
         self.attempt = attempt
         self.payload_fd = payload_fd
+        self._specs = list(specs)
         self.ranks: List[RankState] = [RankState(s) for s in specs]
         self.failures: List[RankFailure] = []
         self.stopping_since: Optional[float] = None   # monotonic time teardown began
@@ -88,8 +89,9 @@ class RankGroup:
         while any(r.pid is None for r in self.ranks):
             self._on_channel(self._channel)
 
-    def _start_one(self, r: RankState) -> None:
-        child_fds = r.open(self.cfg, self.attempt, self.payload_fd)
+    def _start_one(self, r: RankState, payload_fd: Optional[int] = None) -> None:
+        child_fds = r.open(self.cfg, self.attempt,
+                           self.payload_fd if payload_fd is None else payload_fd)
         try:
             if self.cfg.start_method == "fork":
                 pid = _procs.fork_rank(r.spec, dict(zip(RANK_FDS, child_fds)))
@@ -112,13 +114,37 @@ class RankGroup:
             self._signal(self.stop_signal, [r])
 
     # -- calls (a World's ranks stay up between them) ----------------------------------
-    def call(self, payload_fd: int) -> None:
-        """Ask every rank to run the payload in `payload_fd` next; wait() until
-        ``replied``."""
-        self.answered = set()
-        for r in self.ranks:
+    def call(self, payload_fd: int, ranks: Optional[Sequence[RankState]] = None) -> None:
+        """Ask every rank (or these) to run the payload in `payload_fd` next; wait()
+        until ``replied``."""
+        targets = self.ranks if ranks is None else ranks
+        for r in targets:
+            self.answered.discard(r.local_rank)
             r.has_result, r.result = False, None
+        for r in targets:
             send_framed(r.reader.sock, b"c", [payload_fd])
+
+    def replace(self, local_rank: int, payload_fd: int) -> RankState:
+        """Start a fresh process for a dead rank, same spec; its first call is the
+        payload in `payload_fd`. The old one's output is relayed and its fds closed."""
+        old = self.ranks[local_rank]
+        for fd, relay in ((old.out_fd, old.out), (old.err_fd, old.err)):
+            while fd is not None and relay is not None:
+                chunk = read_pipe(fd)
+                if not chunk:
+                    break
+                relay.feed(chunk)
+        for fileobj in (old.reader.sock, old.out_fd, old.err_fd, old.stack_fd, old.pidfd):
+            if fileobj is not None:
+                self._unregister(fileobj)
+        old.close()
+        new = RankState(self._specs[local_rank])
+        self.ranks[local_rank] = new
+        self.answered.discard(local_rank)
+        self._start_one(new, payload_fd)
+        while new.pid is None and self._channel is not None:
+            self._on_channel(self._channel)
+        return new
 
     @property
     def replied(self) -> bool:
@@ -304,7 +330,7 @@ class RankGroup:
                                    "returning a result (did it call os._exit(0)?)")
         else:
             failure = self._record(r, exitcode=exitcode)
-        self.fail(failure)
+        self._answered_error(r, failure)   # a healing World replaces it after the call
 
     def _record(self, r: RankState, **fields) -> RankFailure:
         fields.setdefault("timestamp", r.exited_at or time.time())

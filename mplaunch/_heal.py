@@ -13,10 +13,12 @@ SIGINT, the deadline passed):
 3. RELEASE_AFTER seconds later, ranks still silent are taken to be blocked in C, in a
    collective: every rank is asked to shut its connections to the others (see
    _pgroup), which makes gloo raise; the group must then be rebuilt;
-4. past the grace period, what has not answered cannot be brought back: the group is
-   torn down as without healing (the next run starts fresh ranks).
+4. past the grace period, a rank that has not answered is killed, and the World replaces
+   it as it replaces a rank that died; if even that fails within another grace period,
+   the group is torn down as without healing (the next run starts fresh ranks).
 
-A rank that dies, SIGTERM/SIGHUP/SIGQUIT, a second SIGINT, or stop() tear down as today.
+A rank that dies is an answer too. SIGTERM/SIGHUP/SIGQUIT, a second SIGINT, or stop()
+tear down as today.
 What the World does once every rank has answered (compare the groups' sequence numbers,
 rebuild) is the World's business.
 """
@@ -44,6 +46,7 @@ class CallDriver:
         self.interrupted = False     # SIGINT reached the launching process (once)
         self.released = False        # the ranks' connections were shut down
         self.gave_up = False
+        self._gave_up_at = 0.0
         self._handled = 0
         self._trouble_at: Optional[float] = None
         self._interrupt_at: Optional[float] = None
@@ -113,11 +116,15 @@ class CallDriver:
                 and now >= self._interrupt_at + RELEASE_AFTER):
             self.released = True
             group.send_signal(self.release_signal, [r for r in group.ranks if r.signalable])
-        if silent and now >= self._interrupt_at + grace:
-            self.gave_up = True
+        if silent and not self.gave_up and now >= self._interrupt_at + grace:
+            # Stuck where neither an interrupt nor the release reaches: replaced (the
+            # World starts a fresh process for each rank that died).
+            self.gave_up, self._gave_up_at = True, now
+            group.send_signal(signal.SIGKILL, silent)
+        elif silent and self.gave_up and now >= self._gave_up_at + grace:
             if self.interrupted:
                 self.attempt.signal_received = signal.SIGINT
-            group.stop(signal.SIGTERM)
+            group.stop(signal.SIGKILL)
 
     def _wait(self, deadline: Optional[float], grace: float) -> Optional[float]:
         now = time.monotonic()
@@ -129,3 +136,25 @@ class CallDriver:
         if not times:
             return None
         return max(0.0, min(times) - now)
+
+
+# What a collective raises in a rank when a peer left it (died, or was released): a
+# consequence, reported after the failure that caused it even when it reached us first
+# (a death is only known once the rank is reaped).
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
+
+
+def consequences_last(failures) -> None:
+    """Reorder (by their timestamps, which decide the order reported) so that the
+    failures a lost peer caused come after the others."""
+    causes = [f for f in failures if not _lost_peer(f)]
+    if not causes or len(causes) == len(failures):
+        return
+    latest = max(f.timestamp or 0.0 for f in failures)
+    for f in failures:
+        if _lost_peer(f) or f.exc_type == "KeyboardInterrupt":
+            f.timestamp = latest + 1e-3
+
+
+def _lost_peer(f) -> bool:
+    return f.exc_type == "RuntimeError" and any(s in (f.message or "") for s in _LOST_PEER)

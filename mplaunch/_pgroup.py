@@ -154,6 +154,35 @@ def _tcp_table() -> Dict[int, Tuple[str, str]]:
     return table
 
 
+def close_inherited_store_sockets() -> int:
+    """In a rank forked from the launching process (start_method="fork"), close the
+    copies of the store server's sockets (its listening socket and its connections to
+    the other ranks) that the fork inherited; the number closed.
+
+    The server's event loop (libuv, epoll) registered those sockets; epoll keeps a
+    registration while any copy of the socket is open, so after the server closed a
+    connection (a rank that died) our copy kept reporting its events under an fd
+    number the server had closed, and could then reuse: seen as a store that no longer
+    answers a replaced rank's rendezvous. Those fds belong to C++ objects of the
+    launching process, never to a Python object of ours, so closing them is safe."""
+    store = os.environ.get("MPLAUNCH_STORE", "")
+    _, _, port = store.rpartition(":")
+    if not port.isdigit():
+        return 0
+    hexport = f":{int(port):04X}"
+    table = _tcp_table()
+    closed = 0
+    for fd, inode in _socket_fds(os.getpid()).items():
+        ends = table.get(inode)
+        if ends is not None and ends[0].endswith(hexport):
+            try:
+                os.close(fd)
+                closed += 1
+            except OSError:
+                pass
+    return closed
+
+
 # -- rebuild ---------------------------------------------------------------------------
 
 def group_state() -> dict:

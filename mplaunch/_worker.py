@@ -88,6 +88,9 @@ def _apply_spec(spec) -> None:
         sys.argv[:] = spec.script.argv
     atexit._clear()  # handlers inherited from the forking process are not ours to run
     _install_rendezvous_hook()
+    # Only a fork of the launching process has any (see there); a few reads of /proc.
+    from ._pgroup import close_inherited_store_sockets
+    close_inherited_store_sockets()
     torch = sys.modules.get("torch")
     threads = os.environ.get("OMP_NUM_THREADS")
     if torch is not None and threads and threads.isdigit() and int(threads) > 0:

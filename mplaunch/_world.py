@@ -18,7 +18,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVa
 from . import _procs, _signals, _store, _sys
 from ._attempt import Attempt
 from ._config import LaunchConfig, check_call, rank_specs, seconds, validate, with_streams
-from ._heal import CallDriver
+from ._heal import CallDriver, consequences_last
 from ._outcome import error_for, results_or_raise
 from ._pgroup import RELEASE_SIGNAL, group_state, rebuild
 from ._serialize import dumps_payload
@@ -80,6 +80,9 @@ class World:
         self._attempt: Optional[Attempt] = None
         self._stack: Optional[contextlib.ExitStack] = None
         self._generation = 0       # how many times ranks were started
+        #: The ranks that are fresh processes since the last run: every rank once the
+        #: world (re)started, the replaced ones after a run that healed a dead rank.
+        self.fresh_ranks: List[int] = []
         self._closed = False
         _open.add(self)
 
@@ -112,6 +115,7 @@ class World:
         timeout = seconds("timeout", timeout, optional=True)
         payload = dumps_payload(func, args, kwargs or {})
         self.start()
+        self.fresh_ranks = []
         if self.heal:
             return self._healing_call(payload, timeout)
         return self._call(payload, timeout)
@@ -198,6 +202,7 @@ class World:
         group.relay_written()
         if not (group.failures or attempt.timed_out or driver.interrupted):
             return [r.result for r in group.ranks]
+        consequences_last(group.failures)
         error = (KeyboardInterrupt() if driver.interrupted and not attempt.timed_out
                  else error_for(attempt))
         _forget_failures(attempt)
@@ -209,41 +214,88 @@ class World:
         raise error
 
     def _settle(self, released: bool) -> str:
-        """Bring the ranks' process group back to a state all agree on, after a failed
-        call every rank answered; what the world kept, said for the error."""
+        """Bring the ranks back to a state all agree on, after a failed call every rank
+        answered (or died): replace the dead ones, rebuild the process group if the
+        ranks disagree about it; what the world kept, said for the error."""
+        group = self._attempt.group
+        dead = [r.local_rank for r in group.ranks if not r.alive]
+        live = [r for r in group.ranks if r.alive]
         try:
-            states = self._control(group_state, (), None)
-            live = [s for s in states if s["initialized"]]
-            seqs = {s["seq"] for s in live}
-            if not (released or (live and len(live) != len(states)) or len(seqs) > 1):
+            states = self._control(group_state, (), None, live)
+            inited = [s for s in states if s["initialized"]]
+            seqs = {s["seq"] for s in inited}
+            if not (dead or released or (inited and len(inited) != len(states))
+                    or len(seqs) > 1):
                 return ("the world was kept: its ranks, their state and their process "
                         "group are as the failed run left them")
-            backends = {s["backend"] for s in live}
+            backends = {s["backend"] for s in inited}
             backend = backends.pop() if len(backends) == 1 else self.backend
             n = max(s["incarnation"] for s in states)
-            stale = self._control(rebuild, (backend, n), max(30.0, self.cfg.grace_period))
+            stale = self._rebuild(backend, n, dead, live)
         except (KeyboardInterrupt, MainProcessError):
             raise
         except BaseException as exc:  # noqa: BLE001 - whatever it was, it cannot be healed
-            return (f"the world could not be healed ({type(exc).__name__}) and was torn "
-                    "down; the next run starts fresh ranks")
-        why = ("a collective was left half-done" if released
-               else "the ranks left it in different states")
-        if backend is None:
-            return f"the world was kept: its ranks and their state ({why}; no group now)"
-        holders = sorted({name for names in stale for name in names})
-        remake = (f"; made with the old group, these must be made again: "
-                  f"{', '.join(holders)}" if holders else "")
-        return (f"the world was kept: its ranks and their state; the process group was "
-                f"rebuilt ({why}){remake}. Objects that hold the old group (a "
-                "DistributedDataParallel module, groups from new_group) must be made "
-                "again: ddp = DistributedDataParallel(module) broadcasts rank 0's "
-                "parameters")
+            self._stop()
+            return (f"the world could not be healed ({type(exc).__name__}: {exc}) and was "
+                    "torn down; the next run starts fresh ranks")
+        self.fresh_ranks = [group.ranks[i].spec.rank for i in dead]
+        said = []
+        if dead:
+            pids = {group.ranks[i].spec.rank: group.ranks[i].pid for i in dead}
+            said.append(f"rank(s) {self.fresh_ranks} died and were replaced by fresh "
+                        f"processes (pids {pids}) whose state is gone: send it again "
+                        "(world.fresh_ranks names them)")
+        if backend is not None:
+            why = ("a rank died" if dead else "a collective was left half-done" if released
+                   else "the ranks left it in different states")
+            holders = sorted({name for names in stale for name in names})
+            remake = (f"; these hold the old group and must be made again: "
+                      f"{', '.join(holders)}" if holders else "")
+            said.append(f"the process group was rebuilt ({why}){remake}. Objects made with "
+                        "the old group (a DistributedDataParallel module, groups from "
+                        "new_group) must be made again: ddp = "
+                        "DistributedDataParallel(module) broadcasts rank 0's parameters")
+        return "the world was kept: its ranks and their state; " + "; ".join(said)
 
-    def _control(self, func, args, timeout) -> list:
-        """A call of mplaunch's own in every rank; torn down and raised if it fails."""
-        payload = dumps_payload(func, args, {})
-        return self._wait_replies(self._send(payload), timeout, quiet=True)
+    def _rebuild(self, backend, n: int, dead: List[int], live) -> list:
+        """Start a fresh process for each dead rank and build the group again in every
+        rank (key space `n`); each live rank's names of stale objects."""
+        group = self._attempt.group
+        payload = dumps_payload(rebuild, (backend, n), {})
+        fd = _sys.memfd_with(payload, "mplaunch-payload")
+        try:
+            # The fresh ranks first: a fork (start_method="fork") of this process while
+            # its store serves the others' rendezvous could inherit a lock held.
+            for i in dead:
+                group.replace(i, fd)
+            group.call(fd, live)
+        finally:
+            _procs.close_fd(fd)
+        return self._wait_replies(self._attempt, max(30.0, self.cfg.grace_period),
+                                  quiet=True)
+
+    def _control(self, func, args, timeout, ranks) -> list:
+        """A call of mplaunch's own in these ranks; torn down and raised if it fails."""
+        group = self._attempt.group
+        fd = _sys.memfd_with(dumps_payload(func, args, {}), "mplaunch-payload")
+        try:
+            group.call(fd, ranks)
+        finally:
+            _procs.close_fd(fd)
+        attempt = self._attempt
+        group = attempt.group
+        try:
+            with _signals.forwarding(attempt.on_signal, warn=False):
+                attempt.drive(until=lambda: all(r.has_result for r in ranks)
+                              or group.stopping, timeout=timeout)
+        except BaseException:
+            self._stop()
+            raise
+        if group.stopping or not all(r.has_result for r in ranks):
+            self._stop()
+            results_or_raise(attempt)    # raises what stopped it
+            raise RuntimeError("a rank did not answer mplaunch's own call")
+        return [r.result for r in ranks]
 
     def _wait_replies(self, attempt: Attempt, timeout: Optional[float],
                       quiet: bool = False) -> list:
@@ -272,6 +324,7 @@ class World:
         self._attempt = self._stack = None
         if attempt is None:
             return
+        self.fresh_ranks = [self.cfg.global_rank(i) for i in range(self.nprocs)]
         try:
             attempt.group.stop()
             attempt.drive()          # SIGTERM, then SIGKILL after the grace period

@@ -242,3 +242,57 @@ def test_an_error_survives_pickling_with_what_the_world_kept():
             world.run(typo_in_rank_one)
     again = pickle.loads(pickle.dumps(info.value))
     assert again.healed == info.value.healed and str(again) == str(info.value)
+
+
+# -- item 4: a rank that dies is replaced ------------------------------------------------------
+
+def die_in_rank_one_while_peer_waits(how):
+    import torch
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        if how == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))
+    return "unreachable"
+
+
+def deaf_and_stuck_in_rank_one():
+    if os.environ["RANK"] == "1":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        time.sleep(600)
+    return "done"
+
+
+@pytest.mark.parametrize("method,how", [("forkserver", "exit"), ("spawn", "kill"),
+                                        ("fork", "kill")])
+def test_a_dead_rank_is_replaced_and_the_survivors_keep_their_state(method, how):
+    with mplaunch.World(2, backend="gloo", start_method=method) as world:
+        assert world.fresh_ranks == []
+        world.run(wrap_model)
+        assert world.run(count_calls) == [1, 1]
+        pids = world.pids
+        with pytest.raises(mplaunch.WorkerError) as info:
+            world.run(die_in_rank_one_while_peer_waits, (how,), timeout=300)
+        err = info.value
+        assert err.rank == 1 and (err.exitcode == 3 if how == "exit"
+                                  else err.signal == "SIGKILL")
+        assert "replaced" in err.healed and "rebuilt" in err.healed
+        assert world.fresh_ranks == [1]
+        assert world.pids[0] == pids[0] and world.pids[1] != pids[1]
+        assert world.run(count_calls) == [2, 1]      # rank 1 starts from nothing
+        assert world.fresh_ranks == []
+        assert world.run(allreduce_sum) == [3.0, 3.0]
+        world.run(wrap_model)                        # re-sent to every rank
+        a, b = world.run(train_step)
+        assert a == b
+
+
+def test_a_rank_no_interrupt_reaches_is_replaced_after_the_timeout():
+    with mplaunch.World(2, grace_period=1) as world:
+        pids = world.start().pids
+        with pytest.raises(mplaunch.LaunchTimeout) as info:
+            world.run(deaf_and_stuck_in_rank_one, timeout=2)
+        assert "deaf_and_stuck_in_rank_one" in info.value.stacks[1]
+        assert world.fresh_ranks == [1] and world.pids[0] == pids[0]
+        assert world.run(count_calls) == [1, 1]
