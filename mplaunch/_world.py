@@ -1,6 +1,6 @@
 """mplaunch.World: ranks that stay up between calls, for notebooks and test suites.
 
-A World is one Attempt whose ranks serve calls (_serve) instead of running one function
+A World is one Attempt whose ranks serve calls (_rank.serve) instead of running one function
 and exiting. Each run() is a call driven to its replies by the same loop launch() uses,
 so failures, timeouts, signals, output and teardown behave as for launch(). A run that
 fails tears the world down; the next run starts fresh ranks.

@@ -20,7 +20,7 @@ from .._wire.spec import RankSpec
 
 class Attempt:
     """Run with ``run()``; afterwards ``ending`` says how it ended and
-    ``_outcome.results_or_raise(attempt)`` what it amounts to."""
+    ``outcome.results_or_raise(attempt)`` what it amounts to."""
 
     def __init__(self, cfg: LaunchConfig, number: int, specs: Sequence[RankSpec],
                  payload_fd: int, waker: Waker, watch: Optional[NodeWatch] = None):

@@ -4,8 +4,8 @@ Lifetime: ``start()``, then ``wait()`` in a loop while ``running`` (each call ha
 happened: results, output, exits, the SIGTERM -> grace -> SIGKILL escalation), ``stop()``
 to tear down as on a failure, and ``close()``, which returns only once every process of
 the group, grandchildren included, is gone and its output relayed. What the outcome *is*
-(a list of results or an error) is decided elsewhere (_outcome), from ``ranks`` and
-``failures``.
+(a list of results or an error) is decided elsewhere (_engine.ending, _engine.outcome),
+from ``ranks`` and ``failures``.
 """
 from __future__ import annotations
 

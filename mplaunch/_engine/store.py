@@ -3,7 +3,7 @@
 Picking a "free" port with bind(0), closing it and handing the number to rank 0 is a
 race: anything can take the port in between. Here the socket is bound once, here, and
 handed to torch's TCPStore as its listening fd, so MASTER_PORT names a port that is
-ours for the whole attempt. Ranks join it as clients (see _worker's env:// hook).
+ours for the whole attempt. Ranks join it as clients (see _rank.rendezvous).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ reads it to find `P` there. So:
   objects are found by name and are the very objects the rank's code uses, and the
   functions' globals are that module's namespace, as in the launching process;
 - a child the rank starts with spawn or forkserver rebuilds `__main__` from the rank's
-  `__main__.__spec__`, which names mplaunch/_mp_main.py: multiprocessing runs that file
+  `__main__.__spec__`, which names mplaunch/_rank/mp_main.py: multiprocessing runs that file
   there as `__mp_main__`, and it loads the same part of the payload, read from the rank
   (`/proc/<rank>/fd/<payload>`, named by MPLAUNCH_MAIN). A fork child inherits the
   rank's `__main__` as it is.
@@ -91,12 +91,12 @@ class MainGlobals(dict):
 class _RankMain(types.ModuleType):
     def __repr__(self):
         # What pickle's "Can't get attribute 'Q' on <module ...>" shows: the spec would
-        # make it mplaunch._mp_main, and say nothing of why Q is missing.
+        # make it mplaunch._rank.mp_main, and say nothing of why Q is missing.
         return "<module '__main__' (in an mplaunch rank: what the launch uses of it)>"
 
 
 def main_offset(payload) -> int:
-    """Where, in a payload from `_serialize.dumps_payload`, the pickle of the `__main__`
+    """Where, in a payload from `_wire.payload.dumps_payload`, the pickle of the `__main__`
     definitions starts (it ends 8 bytes before the end, which hold this offset)."""
     return int.from_bytes(payload[-8:], "little")
 
@@ -144,7 +144,7 @@ def publish(payload_fd: int) -> str:
 
 def fill_child_main(namespace: dict) -> None:
     """In a child of a rank (spawn or forkserver), where multiprocessing runs
-    mplaunch/_mp_main.py as `__mp_main__`: turn its namespace into the rank's
+    mplaunch/_rank/mp_main.py as `__mp_main__`: turn its namespace into the rank's
     `__main__`."""
     global _filling
     for key in [k for k in namespace if not k.startswith("__")]:

@@ -1,6 +1,6 @@
 """What crosses the process boundary in each direction: the function and its arguments
 (cloudpickle, once, in the parent), and each rank's return value (large tensors through
-shared memory). Exceptions have a module of their own (_exceptions)."""
+shared memory). Exceptions have a module of their own (_wire.exceptions)."""
 from __future__ import annotations
 
 import contextlib
@@ -34,7 +34,7 @@ def dumps_payload(func, args, kwargs) -> bytes:
     Two pickles, then the offset of the second: the function, its arguments and the
     sources of unsaved code, which name the classes and functions of `__main__` they
     reach; then those, by value (the rank makes them its `__main__` before it loads
-    the first pickle, and the rank's own children load them too: see _rankmain).
+    the first pickle, and the rank's own children load them too: see _wire.mainmod).
     This order writes each byte once: no copy of a large payload to put one first."""
     try:
         main = sys.modules.get("__main__")
