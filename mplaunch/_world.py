@@ -1,9 +1,9 @@
 """mplaunch.World: ranks that stay up between calls, for notebooks and test suites.
 
-A World is one Attempt whose ranks serve calls (_serve) instead of running one function
+A World is one Attempt whose ranks serve calls (_rank.serve) instead of running one function
 and exiting. Each run() is a call driven to its replies by the same loop launch() uses,
 so failures, timeouts, signals, output and teardown behave as for launch(). A run that
-fails heals the world where it can (_heal drives the call, _pgroup is the ranks' side):
+fails heals the world where it can (_engine.heal drives the call, _rank.pgroup is the ranks' side):
 the ranks and their state stay, and the process group is rebuilt if a collective was
 left half-done. What cannot be healed is torn down; the next run starts fresh ranks.
 """
@@ -15,13 +15,15 @@ import logging
 import sys
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVar
 
-from . import _procs, _signals, _store, _sys
-from ._attempt import Attempt
-from ._config import LaunchConfig, check_call, rank_specs, seconds, validate, with_streams
-from ._heal import CallDriver, consequences_last
-from ._outcome import error_for, results_or_raise
-from ._pgroup import RELEASE_SIGNAL, group_state, rebuild
-from ._serialize import dumps_payload
+from ._engine import servers, signals
+from ._engine.attempt import Attempt
+from ._engine.config import LaunchConfig, check_call, seconds, validate, with_streams
+from ._engine.heal import CallDriver, consequences_last
+from ._engine.outcome import error_for, results_or_raise
+from ._engine.session import Session
+from ._rank.pgroup import RELEASE_SIGNAL, group_state, rebuild
+from ._wire import linux
+from ._wire.payload import dumps_payload
 from .errors import MainProcessError
 
 log = logging.getLogger("mplaunch")
@@ -147,19 +149,13 @@ class World:
         cfg = with_streams(self.cfg)
         stack = contextlib.ExitStack()
         try:
-            hosted = stack.enter_context(_store.hosted(cfg))
-            waker = _signals.Waker()
-            stack.callback(waker.close)
-            for fd in (waker.r, waker.w):
-                _procs.own_fd(fd)
-                stack.callback(_procs.disown_fd, fd)
-            setup = _sys.memfd_with(dumps_payload(_setup_rank, (self.backend,), {}),
-                                    "mplaunch-payload")
-            stack.callback(_procs.close_fd, setup)
-            _procs.get_server(cfg.server_preload).wait_ready()
-            specs = rank_specs(cfg, self._generation, hosted.port, hosted.address,
-                               serve=True)
-            attempt = Attempt(cfg, self._generation, specs, setup, waker)
+            # The first "call" is the set-up (init_process_group): the ranks start from it.
+            session = stack.enter_context(
+                Session(cfg, dumps_payload(_setup_rank, (self.backend,), {})))
+            session.wait_server()
+            attempt = Attempt(cfg, self._generation, session.specs(self._generation,
+                                                                   serve=True),
+                              session.payload_fd, session.waker)
             self._generation += 1
             stack.callback(attempt.group.close)
             attempt.group.start()
@@ -172,13 +168,13 @@ class World:
     def _send(self, payload: bytes) -> Attempt:
         attempt = self._attempt
         attempt.group.relay_to(sys.stdout, sys.stderr)
-        fd = _sys.memfd_with(payload, "mplaunch-payload")
+        fd = linux.memfd_with(payload, "mplaunch-payload")
         try:
             attempt.group.call(fd)
         except OSError:
             pass  # a rank is gone: the loop below finds out which, and why
         finally:
-            _procs.close_fd(fd)
+            servers.close_fd(fd)
         return attempt
 
     def _call(self, payload: bytes, timeout: Optional[float]) -> list:
@@ -190,7 +186,7 @@ class World:
         driver = CallDriver(attempt, RELEASE_SIGNAL)
         group.heal = True
         try:
-            with _signals.forwarding(driver.on_signal, warn=False):
+            with signals.forwarding(driver.on_signal, warn=False):
                 driver.drive(timeout)
         except BaseException:
             self._stop()
@@ -204,7 +200,7 @@ class World:
             return [r.result for r in group.ranks]
         consequences_last(group.failures)
         error = (KeyboardInterrupt() if driver.interrupted and not attempt.timed_out
-                 else error_for(attempt))
+                 else error_for(attempt, attempt.ending))
         _forget_failures(attempt)
         kept = self._settle(driver.released)
         if isinstance(error, KeyboardInterrupt):
@@ -262,7 +258,7 @@ class World:
         rank (key space `n`); each live rank's names of stale objects."""
         group = self._attempt.group
         payload = dumps_payload(rebuild, (backend, n), {})
-        fd = _sys.memfd_with(payload, "mplaunch-payload")
+        fd = linux.memfd_with(payload, "mplaunch-payload")
         try:
             # The fresh ranks first: a fork (start_method="fork") of this process while
             # its store serves the others' rendezvous could inherit a lock held.
@@ -270,22 +266,22 @@ class World:
                 group.replace(i, fd)
             group.call(fd, live)
         finally:
-            _procs.close_fd(fd)
+            servers.close_fd(fd)
         return self._wait_replies(self._attempt, max(30.0, self.cfg.grace_period),
                                   quiet=True)
 
     def _control(self, func, args, timeout, ranks) -> list:
         """A call of mplaunch's own in these ranks; torn down and raised if it fails."""
         group = self._attempt.group
-        fd = _sys.memfd_with(dumps_payload(func, args, {}), "mplaunch-payload")
+        fd = linux.memfd_with(dumps_payload(func, args, {}), "mplaunch-payload")
         try:
             group.call(fd, ranks)
         finally:
-            _procs.close_fd(fd)
+            servers.close_fd(fd)
         attempt = self._attempt
         group = attempt.group
         try:
-            with _signals.forwarding(attempt.on_signal, warn=False):
+            with signals.forwarding(attempt.on_signal, warn=False):
                 attempt.drive(until=lambda: all(r.has_result for r in ranks)
                               or group.stopping, timeout=timeout)
         except BaseException:
@@ -301,7 +297,7 @@ class World:
                       quiet: bool = False) -> list:
         group = attempt.group
         try:
-            with _signals.forwarding(attempt.on_signal, warn=False):
+            with signals.forwarding(attempt.on_signal, warn=False):
                 attempt.drive(until=lambda: group.replied and not group.stopping,
                               timeout=timeout)
         except BaseException:
@@ -329,7 +325,7 @@ class World:
             attempt.group.stop()
             attempt.drive()          # SIGTERM, then SIGKILL after the grace period
         finally:
-            stack.close()            # the group, the setup memfd, the waker, the store
+            stack.close()            # the group, then the session
 
 
 def _forget_failures(attempt: Attempt) -> None:
@@ -338,7 +334,7 @@ def _forget_failures(attempt: Attempt) -> None:
     group.failures = []
     for r in group.ranks:
         r.error = None
-    attempt.timed_out, attempt.stacks = False, {}
+    attempt.early = None
     attempt.signal_received = None
 
 
