@@ -296,3 +296,48 @@ def test_a_rank_no_interrupt_reaches_is_replaced_after_the_timeout():
         assert "deaf_and_stuck_in_rank_one" in info.value.stacks[1]
         assert world.fresh_ranks == [1] and world.pids[0] == pids[0]
         assert world.run(count_calls) == [1, 1]
+
+
+# -- item 8: pytest reuse keeps a world that healed ----------------------------------------
+
+def test_pytest_reuse_keeps_a_world_that_healed_after_a_failure_and_a_hang(pytester):
+    from test_plugin import IDENTITY, _assert_all_gone, _inner_ini, _recorded_pids, \
+        _run, _write_tests
+    _inner_ini(pytester, mplaunch_reuse="true", mplaunch_timeout="8")
+    out = _write_tests(pytester, "test_healing", helpers=IDENTITY, source="""
+    @pytest.mark.mplaunch(nprocs=2)
+    def test_a():
+        record("a", identity())
+
+    @pytest.mark.mplaunch(nprocs=2)
+    def test_b_fails_while_its_peer_waits():
+        record("b", identity())
+        assert dist.get_rank() == 0
+        dist.barrier()
+
+    @pytest.mark.mplaunch(nprocs=2)
+    def test_c():
+        record("c", identity())
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == 2.0
+
+    @pytest.mark.mplaunch(nprocs=2)
+    def test_d_hangs():
+        if dist.get_rank() == 0:
+            time.sleep(600)
+        dist.barrier()
+
+    @pytest.mark.mplaunch(nprocs=2)
+    def test_e():
+        record("e", identity())
+        dist.barrier()
+    """)
+    result = _run(pytester)
+    result.assert_outcomes(passed=3, failed=2)
+
+    def pids(name):
+        return {int(f.read_text().split()[0]) for f in out.iterdir()
+                if f.name.startswith(name + "-rank")}
+    assert len(pids("a")) == 2 and pids("a") == pids("b") == pids("c") == pids("e")
+    _assert_all_gone(_recorded_pids(out))
