@@ -253,7 +253,10 @@ class _Ranks:
         s = self.settings
         what = f"{s['nprocs']} ranks, backend {s['backend'] or 'none'}"
         if self.world is not None and self.world.pids:
-            return f"{what}: up, pids {self.world.pids}"
+            fresh = self.world.fresh_ranks
+            return f"{what}: up, pids {self.world.pids}" + (
+                f"; fresh since the last cell (their names are gone): ranks {fresh}"
+                if fresh and len(fresh) < len(self.world.pids) else "")
         if self.torn_down:
             return f"{what}: torn down ({self.torn_down}); the next %%ranks cell starts " \
                    "fresh ranks"

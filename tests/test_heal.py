@@ -341,3 +341,122 @@ def test_pytest_reuse_keeps_a_world_that_healed_after_a_failure_and_a_hang(pytes
                 if f.name.startswith(name + "-rank")}
     assert len(pids("a")) == 2 and pids("a") == pids("b") == pids("c") == pids("e")
     _assert_all_gone(_recorded_pids(out))
+
+
+# -- the notebook: a typo, an interrupted training cell and a dead rank, in a real kernel ----
+
+from test_notebook import kernel_config  # noqa: E402,F401 - the fixture
+
+_BUILD = """%%ranks
+import os, time
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+ddp = DDP(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+steps = 0
+
+def train(n):
+    global steps
+    for _ in range(n):
+        opt.zero_grad()
+        ddp(torch.ones(8, 4)).sum().backward()
+        opt.step()
+        steps += 1
+
+def agree():
+    w = torch.cat([p.detach().flatten() for p in model.parameters()])
+    ws = [torch.zeros_like(w) for _ in range(dist.get_world_size())]
+    dist.all_gather(ws, w)
+    return all(torch.equal(ws[0], x) for x in ws)
+"""
+
+
+@pytest.mark.notebook
+def test_a_notebook_keeps_its_ddp_model_through_a_typo_an_interrupt_and_a_dead_rank(
+        kernel_config, tmp_path):
+    import asyncio
+
+    import nbformat  # noqa: F401
+    from nbformat.v4 import new_code_cell, new_notebook
+    from test_notebook import (KernelTree, _client, _errors, _interrupt_when_started,
+                               _stream)
+    pidfile = tmp_path / "pids"
+    tag = {"tags": ["raises-exception"]}
+    sources = {
+        "start": "%load_ext mplaunch\n%ranks start 2",
+        "build": _BUILD,
+        "typo": "%%ranks\ntrian(3)",
+        "after-typo": "%%ranks\ntrain(3)\nprint('steps', steps)",
+        "interrupt": ("%%ranks\n"
+                      f"fd = os.open({str(pidfile)!r}, os.O_WRONLY | os.O_APPEND | "
+                      "os.O_CREAT)\n"
+                      "os.write(fd, f'{os.getpid()}\\n'.encode()); os.close(fd)\n"
+                      "while True:\n"
+                      "    train(1)"),
+        "after-interrupt": ("%%ranks\n"
+                            "ddp = DDP(model)   # as the error says\n"
+                            "train(1)\n"
+                            "print('steps above 3', steps > 3, 'agree', agree())"),
+        "die": ("%%ranks\n"
+                "if rank == 1:\n"
+                "    os._exit(1)\n"
+                "train(1)"),
+        "status": "%ranks",
+        "after-death": ("%%ranks\n"
+                        "if 'model' not in globals():   # the fresh rank 1\n"
+                        + "\n".join("    " + line for line in
+                                    _BUILD.splitlines()[1:]) + "\n"
+                        "else:\n"
+                        "    ddp = DDP(model)   # rank 0's weights, broadcast\n"
+                        "train(1)\n"
+                        "print('rank', rank, 'steps', steps, 'agree', agree())"),
+        "stop": "%ranks stop",
+    }
+    failing = ("typo", "interrupt", "die")
+    nb = new_notebook(cells=[new_code_cell(src, id=name,
+                                           metadata=tag if name in failing else {})
+                             for name, src in sources.items()])
+    tree = KernelTree()
+    client = _client(nb, kernel_config, tmp_path)
+
+    async def scenario():
+        async with client.async_setup_kernel():
+            for i, cell in enumerate(nb.cells):
+                if cell.id == "interrupt":
+                    waiter = asyncio.ensure_future(
+                        _interrupt_when_started(client, pidfile, tree))
+                    try:
+                        await client.async_execute_cell(cell, i)
+                    finally:
+                        if not waiter.done():
+                            waiter.cancel()
+                else:
+                    await client.async_execute_cell(cell, i)
+                tree.snapshot(client)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        tree.wait_gone()
+    cells = {cell.id: cell for cell in nb.cells}
+    for name, cell in cells.items():
+        if name not in failing:
+            assert not _errors(cell), (name, cell.outputs)
+    assert {name: _errors(cells[name])[0]["ename"] for name in failing} == {
+        "typo": "NameError", "interrupt": "KeyboardInterrupt", "die": "WorkerError"}
+    assert sorted(_stream(cells["after-typo"]).splitlines()) == [
+        "[rank0]: steps 3", "[rank1]: steps 3"]
+    assert sorted(_stream(cells["after-interrupt"]).splitlines()) == [
+        "[rank0]: steps above 3 True agree True", "[rank1]: steps above 3 True agree True"]
+    died = _errors(cells["die"])[0]["evalue"]
+    assert "replaced" in died and "[1]" in died, died
+    assert "fresh since the last cell" in _stream(cells["status"])
+    out = sorted(_stream(cells["after-death"]).splitlines())
+    assert len(out) == 2 and out[0].startswith("[rank0]: rank 0 steps ") \
+        and out[0].endswith("agree True"), out
+    assert int(out[0].split()[4]) > 4, out            # rank 0 kept its training
+    assert out[1] == "[rank1]: rank 1 steps 1 agree True", out   # rank 1 is fresh
