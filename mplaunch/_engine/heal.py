@@ -7,7 +7,8 @@ computing. So, once something went wrong (a rank raised, the launching process g
 SIGINT, the deadline passed):
 
 1. the ranks that have not answered get SETTLE seconds to answer on their own (after an
-   error only: an interrupt or a deadline interrupts at once);
+   error only: an interrupt or a deadline interrupts at once; a rank that died releases
+   the others at once, step 3);
 2. they are sent SIGINT (again every RESEND seconds: a rank drops it while inside
    mplaunch's own code), which raises KeyboardInterrupt in Python code;
 3. RELEASE_AFTER seconds later, ranks still silent are taken to be blocked in C, in a
@@ -32,9 +33,9 @@ from .attempt import Attempt
 from .ending import Ending, EndKind
 from .timeouts import collect_stacks
 
-SETTLE = 0.25
-RESEND = 0.25
-RELEASE_AFTER = 0.25
+SETTLE = 0.1          # a rank in Python code answers an interrupt within milliseconds
+RESEND = 0.1
+RELEASE_AFTER = 0.1
 
 
 class CallDriver:
@@ -81,6 +82,9 @@ class CallDriver:
                 self._trouble(now, at_once=True)
             if group.failures:
                 self._trouble(now, at_once=False)
+            if not self.released and any(not r.alive for r in group.ranks):
+                # A rank died: any collective with it is broken, no need to wait.
+                self._release(group)
             self._escalate(time.monotonic(), grace)
 
     def _take_signals(self) -> bool:
@@ -114,10 +118,8 @@ class CallDriver:
         if silent and now >= self._sent_at + RESEND:
             group.send_signal(signal.SIGINT, silent)
             self._sent_at = now
-        if (silent and not self.released and self.release_signal is not None
-                and now >= self._interrupt_at + RELEASE_AFTER):
-            self.released = True
-            group.send_signal(self.release_signal, [r for r in group.ranks if r.signalable])
+        if silent and not self.released and now >= self._interrupt_at + RELEASE_AFTER:
+            self._release(group)
         if silent and not self.gave_up and now >= self._interrupt_at + grace:
             # Stuck where neither an interrupt nor the release reaches: replaced (the
             # World starts a fresh process for each rank that died).
@@ -127,6 +129,12 @@ class CallDriver:
             if self.interrupted:
                 self.attempt.signal_received = signal.SIGINT
             group.stop(signal.SIGKILL)
+
+    def _release(self, group) -> None:
+        if self.release_signal is None:
+            return
+        self.released = True
+        group.send_signal(self.release_signal, [r for r in group.ranks if r.signalable])
 
     def _wait(self, deadline: Optional[float], grace: float) -> Optional[float]:
         now = time.monotonic()
