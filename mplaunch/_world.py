@@ -82,9 +82,7 @@ class World:
         self._attempt: Optional[Attempt] = None
         self._stack: Optional[contextlib.ExitStack] = None
         self._generation = 0       # how many times ranks were started
-        #: The ranks that are fresh processes since the last run: every rank once the
-        #: world (re)started, the replaced ones after a run that healed a dead rank.
-        self.fresh_ranks: List[int] = []
+        self._fresh: List[int] = []
         self._closed = False
         _open.add(self)
 
@@ -93,6 +91,13 @@ class World:
     def pids(self):
         """{rank: pid} of the running ranks ({} before the first run)."""
         return self._attempt.group.pids if self._attempt is not None else {}
+
+    @property
+    def fresh_ranks(self) -> List[int]:
+        """The ranks that are fresh processes since the last run, their state gone:
+        every rank after the world was torn down, the replaced ones after a run that
+        healed a dead rank; [] once a run has begun. Send them their state again."""
+        return list(self._fresh)
 
     @property
     def nprocs(self) -> int:
@@ -110,14 +115,16 @@ class World:
             kwargs: Optional[Mapping[str, Any]] = None,
             timeout: Optional[float] = None) -> List[T]:
         """Call ``func(*args, **kwargs)`` in every rank; the results by rank. Raises
-        :class:`~mplaunch.WorkerError`, :class:`~mplaunch.LaunchTimeout` or
-        :class:`~mplaunch.MainProcessError` as ``launch`` does, after tearing the world
-        down."""
+        :class:`~mplaunch.WorkerError` or :class:`~mplaunch.LaunchTimeout` as
+        ``launch`` does, after healing the world (``err.healed`` says what it kept) or
+        tearing it down; an interrupt (SIGINT) raises :class:`KeyboardInterrupt` in the
+        ranks and here, the world kept (:class:`~mplaunch.MainProcessError` with
+        ``heal=False``, or for SIGTERM, SIGHUP, SIGQUIT or a second SIGINT)."""
         check_call(func, args, kwargs)
         timeout = seconds("timeout", timeout, optional=True)
         payload = dumps_payload(func, args, kwargs or {})
         self.start()
-        self.fresh_ranks = []
+        self._fresh = []
         if self.heal:
             return self._healing_call(payload, timeout)
         return self._call(payload, timeout)
@@ -234,7 +241,7 @@ class World:
             self._stop()
             return (f"the world could not be healed ({type(exc).__name__}: {exc}) and was "
                     "torn down; the next run starts fresh ranks")
-        self.fresh_ranks = [group.ranks[i].spec.rank for i in dead]
+        self._fresh = [group.ranks[i].spec.rank for i in dead]
         said = []
         if dead:
             pids = {group.ranks[i].spec.rank: group.ranks[i].pid for i in dead}
@@ -320,7 +327,7 @@ class World:
         self._attempt = self._stack = None
         if attempt is None:
             return
-        self.fresh_ranks = [self.cfg.global_rank(i) for i in range(self.nprocs)]
+        self._fresh = [self.cfg.global_rank(i) for i in range(self.nprocs)]
         try:
             attempt.group.stop()
             attempt.drive()          # SIGTERM, then SIGKILL after the grace period

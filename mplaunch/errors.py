@@ -152,7 +152,7 @@ class WorkerError(MPLaunchError):
     __module__ = "mplaunch"
 
     #: Set by a healing :class:`mplaunch.World`: what the world kept (or why it could
-    #: not), also the message's last line.
+    #: not), also the message's last line; None otherwise.
     healed: Optional[str] = None
 
     def __init__(self, failures: List[RankFailure], previous_attempts=None, note=None):

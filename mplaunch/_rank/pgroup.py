@@ -64,10 +64,24 @@ def arm_release() -> None:
 def _release_loop() -> None:
     while True:
         signal.sigwait({RELEASE_SIGNAL})
-        try:
-            release_connections()
-        except Exception:  # noqa: BLE001 - never let this thread die
-            pass
+        for release in (_abort_nccl, release_connections):
+            try:
+                release()
+            except Exception:  # noqa: BLE001 - never let this thread die
+                pass
+
+
+def _abort_nccl() -> None:
+    """NCCL: abort the communicators, which makes a collective (or the stream
+    synchronisation) blocked in the main thread return with an error; the group is
+    then destroyed and built again as for gloo. Reasoned about from torch's API, not
+    run: no GPU where this was written."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    if dist.get_backend() != "nccl":
+        return
+    dist.distributed_c10d._abort_process_group()
 
 
 def release_connections() -> int:
