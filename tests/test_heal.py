@@ -460,3 +460,55 @@ def test_a_notebook_keeps_its_ddp_model_through_a_typo_an_interrupt_and_a_dead_r
         and out[0].endswith("agree True"), out
     assert int(out[0].split()[4]) > 4, out            # rank 0 kept its training
     assert out[1] == "[rank1]: rank 1 steps 1 agree True", out   # rank 1 is fresh
+
+
+def test_a_second_sigint_while_the_first_is_handled_tears_down_as_before(tmp_path):
+    import threading
+
+    def interrupt_twice():
+        _wait_for([tmp_path / "in.0", tmp_path / "in.1"])
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)          # rank 1 ignores the first: the heal is still going on
+        os.kill(os.getpid(), signal.SIGINT)
+
+    with mplaunch.World(2, grace_period=3) as world:
+        world.run(count_calls)
+        pids = world.pids
+        t = threading.Thread(target=interrupt_twice)
+        t.start()
+        try:
+            with pytest.raises(mplaunch.MainProcessError) as info:
+                world.run(deaf_sleep_everywhere, (str(tmp_path),))
+        finally:
+            t.join()
+        assert info.value.signal_name == "SIGINT"
+        assert world.pids == {} and world.fresh_ranks == [0, 1]
+        assert world.run(count_calls) == [1, 1]
+        assert not set(world.pids.values()) & set(pids.values())
+
+
+def deaf_sleep_everywhere(flag_dir):
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    open(os.path.join(flag_dir, f"in.{os.environ['RANK']}"), "w").close()
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP", "SIGQUIT"])
+def test_sigterm_sighup_sigquit_still_end_a_healing_world(tmp_path, signame):
+    import threading
+    signo = getattr(signal, signame)
+
+    def send():
+        _wait_for([tmp_path / "in.0", tmp_path / "in.1"])
+        os.kill(os.getpid(), signo)
+
+    with mplaunch.World(2, grace_period=3) as world:
+        world.run(count_calls)
+        t = threading.Thread(target=send)
+        t.start()
+        try:
+            with pytest.raises(mplaunch.MainProcessError) as info:
+                world.run(busy_loop_everywhere, (str(tmp_path),))
+        finally:
+            t.join()
+        assert info.value.signal_name == signame and world.pids == {}
