@@ -54,14 +54,16 @@ def set_incarnation(n: int) -> None:
 def arm_release() -> None:
     """Block RELEASE_SIGNAL in this (main) thread, before any other thread exists so that
     every thread inherits the mask, and start the thread that takes it."""
-    if RELEASE_SIGNAL is None or not hasattr(signal, "sigwait"):
+    sig = RELEASE_SIGNAL
+    if sig is None or not hasattr(signal, "sigwait"):
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {RELEASE_SIGNAL})
+    signal.pthread_sigmask(signal.SIG_BLOCK, {sig})
     t = threading.Thread(target=_release_loop, name="mplaunch-release", daemon=True)
     t.start()
 
 
 def _release_loop() -> None:
+    assert RELEASE_SIGNAL is not None
     while True:
         signal.sigwait({RELEASE_SIGNAL})
         for release in (_abort_nccl, release_connections):
@@ -118,7 +120,7 @@ def release_connections() -> int:
 
 def _socket_fds(pid: int) -> Dict[int, int]:
     """{fd: socket inode} of a process (empty if it cannot be read)."""
-    out = {}
+    out: Dict[int, int] = {}
     base = f"/proc/{pid}/fd"
     try:
         names = os.listdir(base)
