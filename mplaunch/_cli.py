@@ -95,6 +95,21 @@ def _on_signal(signo, _frame):
     os._exit(128 + signo)
 
 
+def _on_usr1(_signo, _frame):
+    # Where every rank is, printed without stopping anything. Collecting takes up to
+    # two seconds and the lock of the group the main thread is driving: not in a handler.
+    threading.Thread(target=_print_stacks, name="mplaunch-stacks", daemon=True).start()
+
+
+def _print_stacks() -> None:
+    from ._launch import running
+    runs = running()
+    if not runs:
+        say("SIGUSR1: no rank is running")
+    for run_ in runs:
+        say("SIGUSR1: where each rank is now (the launch goes on)\n" + str(run_.stacks()))
+
+
 # -- the command line ------------------------------------------------------------------
 
 def _int_at_least(minimum: int):
@@ -387,4 +402,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if threading.current_thread() is threading.main_thread():
         for signo in _HANDLED_SIGNALS:
             signal.signal(signo, _on_signal)
+        signal.signal(signal.SIGUSR1, _on_usr1)
     return run(argv)

@@ -14,6 +14,7 @@ import pickle
 import selectors
 import signal
 import socket
+import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -24,10 +25,22 @@ from ._output import StreamRelay, read_pipe
 from ._ranks import RankState, drain_outputs
 from ._serialize import loads_result
 from ._signals import Waker
+from ._worker import EXIT_CHANNEL_CLOSED
+from ._memory import HOW_TO_CHECK
 from .errors import RankFailure, signal_name
 
 _DRAIN_WAIT = 2.0      # how long output pipes may stay open after every rank is gone
 _EXIT_WAIT = 10.0      # how long close() waits for SIGKILLed ranks to be reaped
+
+
+def killed_why(signo: int, kernel_note: Optional[str]) -> Optional[str]:
+    """Why a rank may have been killed by `signo`, as the failure's message."""
+    if kernel_note:
+        return kernel_note
+    if signo == signal.SIGKILL:
+        return ("nothing says who sent it; running out of memory is a common cause: "
+                + HOW_TO_CHECK)
+    return None
 
 
 class RankGroup:
@@ -50,8 +63,12 @@ class RankGroup:
         self._sel = selectors.DefaultSelector()
         self._waker = waker
         self._channel: Optional[socket.socket] = None
+        self._server: Optional[_procs.ServerHandle] = None
         self._fork_descendants: set = set()
         self._closed = False
+        # Held while another thread reads the ranks' stacks (_timeouts): the ranks' fds
+        # stay open and fork-mode pids unreaped meanwhile; channel sends are whole.
+        self.lock = threading.RLock()
 
     @property
     def running(self) -> bool:
@@ -69,7 +86,7 @@ class RankGroup:
     def start(self) -> None:
         """Start every rank; returns once each has a pid (fork: at once)."""
         cfg = self.cfg
-        server = _procs.get_server(cfg.server_preload).wait_ready()
+        server = self._server = _procs.get_server(cfg.server_preload).wait_ready()
         if cfg.start_method == "forkserver" and server.threads > 1:
             raise RuntimeError(
                 f"mplaunch's forkserver has {server.threads} threads after importing "
@@ -89,12 +106,12 @@ class RankGroup:
         try:
             if self.cfg.start_method == "fork":
                 pid = _procs.fork_rank(r.spec, dict(zip(RANK_FDS, child_fds)))
-                send_obj(self._channel, ("watch", pid))
+                self._send(("watch", pid))
                 self._set_pid(r, pid)
                 r.pidfd = _procs.own_fd(os.pidfd_open(pid))
                 self._sel.register(r.pidfd, selectors.EVENT_READ, ("pidfd", r))
             else:
-                send_obj(self._channel, ("start", r.local_rank, r.spec), child_fds)
+                self._send(("start", r.local_rank, r.spec), child_fds)
         finally:
             r.close_child_ends()
         self._sel.register(r.reader.sock, selectors.EVENT_READ, ("result", r))
@@ -170,12 +187,6 @@ class RankGroup:
             self._read_output(r.err_fd, r.err)
         elif kind == "pidfd":
             self._on_pidfd(r)
-        elif kind == "stack":
-            chunk = read_pipe(r.stack_fd)
-            if chunk:
-                r.stack_text += chunk
-            elif chunk == b"":
-                self._unregister(r.stack_fd)
 
     def _on_wake(self, _fd) -> None:
         self._waker.drain()
@@ -192,38 +203,52 @@ class RankGroup:
         elif msg[0] == "started":
             self._set_pid(self.ranks[msg[1]], msg[2])
         elif msg[0] == "exited":
-            r = self._by_pid.get(msg[1])
-            if r is not None and r.alive:
-                self._on_exit(r, msg[2])
+            self._exited(msg)
         elif msg[0] == "error":
             r = self.ranks[msg[1]]
             r.status, r.pid = 1 << 8, -1
             self.fail(self._record(r, exitcode=1, message=f"could not start: {msg[2]}"))
 
+    def _exited(self, msg) -> None:
+        """("exited", pid, status, peak RSS, what the kernel says) from the server."""
+        r = self._by_pid.get(msg[1])
+        if r is not None and r.alive:
+            r.max_rss, r.exit_note = msg[3], msg[4]
+            self._on_exit(r, msg[2])
+
     def _on_pidfd(self, r: RankState) -> None:
-        status = _procs.reap_forked(r.pid)
-        if status is None:
-            return
-        self._unregister(r.pidfd)
-        _procs.close_fd(r.pidfd)
-        r.pidfd = None
+        with self.lock:
+            reaped = _procs.reap_forked(r.pid)
+            if reaped is None:
+                return
+            self._unregister(r.pidfd)
+            _procs.close_fd(r.pidfd)
+            r.pidfd = None
+        status, r.max_rss, r.exit_note = reaped
         try:
-            send_obj(self._channel, ("unwatch", r.pid))
+            self._send(("unwatch", r.pid))
         except OSError:
             pass
         self._on_exit(r, status)
 
     def _server_died(self) -> None:
         self._unregister(self._channel)
-        for r in self.ranks:
-            if r.alive and r.pidfd is None:
-                # Its server is gone, so the rank died with it (parent-death signal).
-                r.status = signal.SIGKILL
-                if r.pid is None:
-                    r.pid = -1
-                self.fail(self._record(
-                    r, exitcode=-signal.SIGKILL, signal="SIGKILL",
-                    message="was killed because mplaunch's server process died"))
+        dead = [r for r in self.ranks if r.alive and r.pidfd is None]
+        if not dead:
+            return
+        server = self._server
+        how = server.death() if server is not None else "ended"
+        pid = f" (pid {server.pid})" if server is not None else ""
+        first = (f"mplaunch's server process{pid} {how}, and every rank was killed with "
+                 "it; the next launch starts a new server")
+        for r in dead:
+            # Its server is gone, so the rank died with it (parent-death signal).
+            r.status = signal.SIGKILL
+            if r.pid is None:
+                r.pid = -1
+            self.fail(self._record(
+                r, exitcode=-signal.SIGKILL, signal="SIGKILL",
+                message=first if r is dead[0] else "with mplaunch's server process"))
 
     def _read_result(self, r: RankState) -> None:
         for data, fds in r.reader.read_available():
@@ -276,7 +301,13 @@ class RankGroup:
         if r.has_result and exitcode == 0 and not r.spec.serve:
             return
         if signo is not None:
-            failure = self._record(r, exitcode=exitcode, signal=signal_name(signo))
+            failure = self._record(r, exitcode=exitcode, signal=signal_name(signo),
+                                   message=killed_why(signo, r.exit_note))
+        elif exitcode == EXIT_CHANNEL_CLOSED and not r.has_result:
+            failure = self._record(r, exitcode=exitcode, message=(
+                "closed its result channel before it returned, so its result or error "
+                "could not be sent (did it close file descriptors it did not open, e.g. "
+                "os.closerange(3, ...)?)"))
         elif r.spec.serve:
             failure = self._record(r, exitcode=exitcode, message=f"exited with code "
                                    f"{exitcode} while its World was up")
@@ -289,6 +320,7 @@ class RankGroup:
 
     def _record(self, r: RankState, **fields) -> RankFailure:
         fields.setdefault("timestamp", r.exited_at or time.time())
+        fields.setdefault("max_rss", r.max_rss)
         return RankFailure(r.spec.rank, r.pid, attempt=self.attempt,
                            local_rank=r.local_rank, node_rank=r.spec.node_rank,
                            hostname=r.spec.hostname, **fields)
@@ -330,21 +362,21 @@ class RankGroup:
         self.kill_deadline = 0.0
 
     def send_signal(self, signo: int, ranks: Sequence[RankState]) -> None:
-        """Deliver `signo` to these ranks' processes (not their groups)."""
-        pids = [r.pid for r in ranks if r.signalable]
-        if self.cfg.start_method == "fork":
-            for pid in pids:
-                _sys.kill_quiet(pid, signo)
-        elif pids:
-            try:
-                send_obj(self._channel, ("kill", signo, pids))
-            except OSError:
-                pass  # the server is gone, and the ranks with it
+        """Deliver `signo` to these ranks' processes (not their groups). Any thread."""
+        with self.lock:
+            pids = [r.pid for r in ranks if r.signalable]
+            if self.cfg.start_method == "fork":
+                for pid in pids:
+                    _sys.kill_quiet(pid, signo)  # unreaped (we hold the lock): still ours
+            elif pids:
+                try:
+                    self._send(("kill", signo, pids))
+                except OSError:
+                    pass  # the server is gone, and the ranks with it
 
-    def watch_stacks(self, ranks: Sequence[RankState]) -> None:
-        """Start collecting these ranks' stack dumps into their ``stack_text``."""
-        for r in ranks:
-            self._sel.register(r.stack_fd, selectors.EVENT_READ, ("stack", r))
+    def _send(self, msg, fds=()) -> None:
+        with self.lock:
+            send_obj(self._channel, msg, fds)
 
     def _signal(self, signo: int, ranks) -> None:
         """`signo` to each rank's whole process group (its descendants too)."""
@@ -364,7 +396,7 @@ class RankGroup:
                 _sys.kill_quiet(pid, signo)
         else:
             try:
-                send_obj(self._channel, ("signal", signo, pids))
+                self._send(("signal", signo, pids))
             except OSError:
                 pass
 
@@ -395,8 +427,9 @@ class RankGroup:
         if self._channel is not None and self._channel.fileno() != -1:
             self._sweep()
         drain_outputs(self.ranks, _DRAIN_WAIT)
-        for r in self.ranks:
-            r.close()
+        with self.lock:
+            for r in self.ranks:
+                r.close()
         if self._channel is not None:
             self._channel.close()
         self._sel.close()
@@ -406,7 +439,7 @@ class RankGroup:
         until it has, noting exits reported meanwhile."""
         ch = self._channel
         try:
-            send_obj(ch, ("sweep",))
+            self._send(("sweep",))
             ch.settimeout(timeout)
             while True:
                 msg, fds = recv_obj(ch)
@@ -415,9 +448,7 @@ class RankGroup:
                 if msg is None or msg[0] == "swept":
                     return
                 if msg[0] == "exited":
-                    r = self._by_pid.get(msg[1])
-                    if r is not None and r.alive:
-                        self._on_exit(r, msg[2])
+                    self._exited(msg)
         except (socket.timeout, OSError):
             return
         finally:

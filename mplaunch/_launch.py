@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import (Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence,
                     TypeVar, Union)
 
@@ -127,6 +128,12 @@ def run(func: Callable[..., Any], args: Any, nprocs: Any, options: Mapping[str, 
     return Run(cfg, payload).drive()
 
 
+def running() -> List["Run"]:
+    """The launches this process is driving now (the watcher's SIGUSR1 shows their
+    stacks)."""
+    return list(_driven)
+
+
 class Run:
     """One launch from its first rank to its outcome: the payload, the store, and the
     attempts. Signals to this process are forwarded to the current attempt."""
@@ -156,6 +163,13 @@ class Run:
         if attempt is not None:
             attempt.request_stop(grace_period)
 
+    def stacks(self):
+        """From any thread: where each rank of the current attempt is now."""
+        from ._stacks import RankStacks
+        from ._timeouts import collect_stacks
+        attempt = self.attempt
+        return RankStacks(collect_stacks(attempt.group) if attempt is not None else {})
+
     def on_signal(self, signo: int) -> None:
         """From a signal handler or another thread: the current attempt stops."""
         attempt = self.attempt
@@ -164,6 +178,13 @@ class Run:
 
     def drive(self) -> List[Any]:
         """Run attempts until one succeeds or max_restarts is spent."""
+        _driven.add(self)
+        try:
+            return self._drive()
+        finally:
+            _driven.discard(self)
+
+    def _drive(self) -> List[Any]:
         cfg = self.cfg
         payload_fd = _sys.memfd_with(self.payload, "mplaunch-payload")
         for fd in (self.waker.r, self.waker.w):
@@ -210,3 +231,6 @@ class Run:
             self._pids = attempt.group.pids
             self.attempt = None
         return results_or_raise(attempt)
+
+
+_driven: "weakref.WeakSet[Run]" = weakref.WeakSet()

@@ -13,6 +13,7 @@ import threading
 import weakref
 
 from . import _sys
+from ._memory import OomWatch, reap
 from ._channel import recv_obj, send_obj
 
 log = logging.getLogger("mplaunch")
@@ -136,6 +137,21 @@ class ServerHandle:
             theirs.close()
         return ours
 
+    def death(self, wait: float = 2.0) -> str:
+        """How the server ended ("was killed by SIGKILL"), once its channel closed."""
+        from ._memory import in_kernel_log
+        from .errors import signal_name
+        try:
+            code = self.proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            return "closed its channel"
+        if code >= 0:
+            return f"exited with code {code}"
+        how = f"was killed by {signal_name(-code)}"
+        if -code == 9 and in_kernel_log(self.pid):
+            how += " (by the kernel's OOM killer, the kernel log says)"
+        return how
+
     def stop(self, timeout: float = 5.0) -> None:
         try:
             self.lifeline.close()  # EOF: the server kills what is left and exits
@@ -207,6 +223,9 @@ def cuda_initialized() -> bool:
         return False
 
 
+_forked_oom = OomWatch()
+
+
 def fork_rank(spec, fdmap: dict) -> int:
     """start_method="fork": the rank is a fork of this process. Returns its pid."""
     parent = os.getpid()
@@ -224,23 +243,27 @@ def fork_rank(spec, fdmap: dict) -> int:
             os.setpgid(pid, pid)
         except OSError:
             pass
+    _forked_oom.started(pid)
     return pid
 
 
 def reap_forked(pid: int):
-    """Raw wait status of a forked rank that has exited, after killing what is left of
-    its process group (its pid cannot be reused before we reap it); None if still alive."""
+    """(raw wait status, peak RSS in bytes or None, what the kernel says of its death or
+    None) of a forked rank that has exited, after killing what is left of its process
+    group (its pid cannot be reused before we reap it); None if still alive."""
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
-        return 0
+        _forked_oom.forget(pid)
+        return 0, None, None
     if info is None:
         return None
     members = _sys.group_members(pid)
     _sys.killpg_quiet(pid, 9)
     _sys.wait_dead(members, timeout=2.0)
     try:
-        _, status = os.waitpid(pid, 0)
+        _, status, max_rss = reap(pid)
     except ChildProcessError:
-        return 0
-    return status
+        _forked_oom.forget(pid)
+        return 0, None, None
+    return status, max_rss, _forked_oom.exited(pid, status)

@@ -26,6 +26,7 @@ import time
 import traceback
 
 from . import _sys
+from ._memory import OomWatch, reap
 from ._channel import RANK_FDS, recv_obj, send_obj
 
 
@@ -53,6 +54,7 @@ class Server:
         self.zygotes: set = set()
         self.rank_owner: dict = {}   # pid -> _Launch (None once its launch closed)
         self.pid = os.getpid()
+        self.oom = OomWatch()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -163,6 +165,7 @@ class Server:
             os.close(fd)
         launch.ranks.add(pid)
         self.rank_owner[pid] = launch
+        self.oom.started(pid)
         self._reply(launch, ("started", token, pid))
 
     def _fork_zygote(self) -> None:
@@ -255,9 +258,10 @@ class Server:
                 # killing its group now is safe, and leaves none of its children behind.
                 _sys.killpg_quiet(pid, signal.SIGKILL)
             try:
-                _, status = os.waitpid(pid, 0)
+                _, status, max_rss = reap(pid)
             except ChildProcessError:
                 continue
+            note = self.oom.exited(pid, status)
             if pid in self.zygotes:
                 self.zygotes.discard(pid)
                 for entry in [e for e in self.pool if e[0] == pid]:
@@ -268,7 +272,7 @@ class Server:
             if launch is not None:
                 launch.ranks.discard(pid)
                 if launch.sock.fileno() != -1:
-                    self._reply(launch, ("exited", pid, status))
+                    self._reply(launch, ("exited", pid, status, max_rss, note))
 
     def _kill_orphans(self) -> int:
         """Kill every process below us that is neither a live rank nor in a live rank's

@@ -25,6 +25,12 @@ STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else signal.SI
 # Exit codes the parent reads as a reason.
 EXIT_ERROR = 1
 EXIT_PARENT_GONE = 70
+EXIT_CHANNEL_CLOSED = 71   # the rank's result channel was closed under it
+
+
+class _ChannelClosed(Exception):
+    """The rank closed (or replaced) the fd of its result channel: nothing can reach
+    the parent that way any more."""
 
 _TERMINATION_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGCHLD", "SIGPIPE",
                         "SIGUSR1", "SIGUSR2")
@@ -53,6 +59,8 @@ def _take_over_process(fds: dict, expected_ppid: int, terminal: dict,
     _streams.take_over(fds, terminal, unbuffered)
     faulthandler.enable(file=2, all_threads=True)
     faulthandler.register(STACK_SIGNAL, file=fds["stack"], all_threads=True, chain=False)
+    from . import _collectives
+    _collectives.set_stack_fd(fds["stack"])
 
 
 def _lead_own_group(stdin) -> None:
@@ -108,6 +116,12 @@ def run_rank(spec, fds: dict, expected_ppid: int):
                            unbuffered=bool(spec.env.get("PYTHONUNBUFFERED")))
         _apply_spec(spec)
         code = _run_and_report(spec, fds)
+    except _ChannelClosed as exc:
+        code = EXIT_CHANNEL_CLOSED
+        try:
+            os.write(2, f"[mplaunch] rank {spec.rank}: {exc}\n".encode())
+        except OSError:
+            pass
     except BaseException:  # noqa: BLE001 - last resort: the parent sees the exit code
         try:
             import traceback
@@ -146,6 +160,8 @@ def _kill_descendants() -> None:
 def _run_and_report(spec, fds: dict) -> int:
     import socket
     sock = socket.socket(fileno=fds["result"])
+    global _channel_inode
+    _channel_inode = os.fstat(sock.fileno()).st_ino
     code = _call_and_report(sock, spec, fds["payload"])
     if spec.serve:
         # A World's rank: more calls follow, until the parent ends the world.
@@ -187,12 +203,41 @@ def _call_and_report(sock, spec, payload_fd: int) -> int:
                         f"({type(value).__name__}): {type(exc).__name__}: {exc}. Return "
                         "something picklable, or save it to a file and return the path.")
         err.__cause__ = exc
+        if spec.script is None:
+            err = _raised_at_return(func, err)
         _send_exception(sock, err, EXIT_ERROR)
         return EXIT_ERROR
     _send_raw(sock, b"o" + data, tensor_fds)
     for fd in tensor_fds:
         os.close(fd)
     return exitcode
+
+
+def _raised_at_return(func, err: BaseException) -> BaseException:
+    """`err` with a traceback frame at `func`'s return statement: the pickling failed
+    inside cloudpickle, but the line to look at is the one that returned the value
+    (its def line when there are several returns)."""
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return err
+    import dis
+    import linecache
+    lines = {i.positions.lineno for i in dis.get_instructions(code)
+             if i.opname.startswith("RETURN") and i.positions.lineno}
+    lines = {n for n in lines
+             if linecache.getline(code.co_filename, n).lstrip().startswith("return")}
+    line = lines.pop() if len(lines) == 1 else code.co_firstlineno
+
+    def _raise(e):
+        raise e
+
+    at = _raise.__code__.replace(co_filename=code.co_filename, co_name=code.co_name,
+                                 co_firstlineno=line - 1)
+    try:
+        type(_raise)(at, {})(err)
+    except BaseException as raised:  # noqa: BLE001
+        return raised
+    return err
 
 
 def _exit_code(code) -> int:
@@ -209,10 +254,26 @@ def _send(sock, msg) -> None:
     _send_raw(sock, b"p" + pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), ())
 
 
+_channel_inode = None
+
+
+def _check_channel(sock) -> None:
+    try:
+        intact = os.fstat(sock.fileno()).st_ino == _channel_inode
+    except OSError:
+        intact = False
+    if not intact:
+        raise _ChannelClosed(
+            f"its result channel (fd {sock.fileno()}) was closed before it returned, so "
+            "its result or error cannot reach mplaunch (did it close file descriptors "
+            "it did not open, e.g. os.closerange(3, ...)?)")
+
+
 def _send_raw(sock, data: bytes, fds) -> None:
     # What the call printed reaches the pipes before its answer reaches the parent: a
     # World's run ends with all of its own output (a last line without its newline too).
     _flush_streams()
+    _check_channel(sock)
     try:
         send_framed(sock, data, fds)
     except OSError:
@@ -333,6 +394,8 @@ def _patch_rendezvous(mod) -> None:
     original = handlers["env"]
 
     def env_handler(url, timeout=None, **kwargs):
+        from . import _collectives
+        _collectives.start()  # torch.distributed is being initialised
         host, _, port = os.environ.get("MPLAUNCH_STORE", "").rpartition(":")
         if (not host or os.environ.get("MASTER_ADDR") != host
                 or os.environ.get("MASTER_PORT") != port or "?" in url):
