@@ -248,7 +248,7 @@ class RankGroup:
                 r.pid = -1
             self.fail(self._record(
                 r, exitcode=-signal.SIGKILL, signal="SIGKILL",
-                message=first if r is dead[0] else "with mplaunch's server process"))
+                message=first if r is dead[0] else "it died with mplaunch's server process"))
 
     def _read_result(self, r: RankState) -> None:
         for data, fds in r.reader.read_available():

@@ -24,6 +24,13 @@ import pytest
 import mplaunch
 from mplaunch import RankFailure
 
+try:
+    from test_notebook import kernel_config  # noqa: F401 - a fixture
+except ImportError:  # no nbclient: the notebook test skips
+    @pytest.fixture
+    def kernel_config():
+        pytest.skip("needs nbclient and ipykernel")
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -391,3 +398,45 @@ def test_the_command_prints_stacks_on_sigusr1_and_goes_on(tmp_path):
     assert "mplaunch: SIGUSR1: where each rank is now (the launch goes on)" in err, err
     assert "mplaunch: ranks 0, 1:" in err, err
     assert "in wait_here" in err, err
+
+
+# -- %ranks stacks in a real kernel ----------------------------------------------------------
+
+@pytest.mark.notebook
+def test_ranks_stacks_magic_in_a_kernel(kernel_config, tmp_path):
+    import asyncio
+
+    from nbformat.v4 import new_code_cell, new_notebook
+    from test_notebook import KernelTree, _client, _errors, _stream
+
+    sources = {
+        "load": "%load_ext mplaunch\n%ranks start 2 --backend none",
+        "spin": ("%%ranks\n"
+                 "import threading, time\n"
+                 "def spins_in_the_background():\n"
+                 "    time.sleep(600)\n"
+                 "threading.Thread(target=spins_in_the_background, daemon=True).start()"),
+        "stacks": "%ranks stacks",
+        "stop": "%ranks stop",
+    }
+    nb = new_notebook(cells=[new_code_cell(src, id=name) for name, src in sources.items()])
+    tree = KernelTree()
+    client = _client(nb, kernel_config, tmp_path)
+
+    async def scenario():
+        async with client.async_setup_kernel():
+            for i, cell in enumerate(nb.cells):
+                await client.async_execute_cell(cell, i)
+                tree.snapshot(client)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        tree.wait_gone()
+    cells = {cell.id: cell for cell in nb.cells}
+    for name, cell in cells.items():
+        assert not _errors(cell), (name, cell.outputs)
+    out = _stream(cells["stacks"])
+    assert out.startswith("ranks 0, 1:\n"), out
+    assert out.count("in spins_in_the_background") == 1, out
+    assert "between calls" in out, out  # the main thread waits for the next cell
