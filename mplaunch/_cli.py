@@ -17,7 +17,8 @@ from typing import List, Optional, Sequence
 
 from . import _torchrun
 from ._cli_targets import UsageError, prepare
-from ._cli_report import Shown, exit_code_of, flush_stdout, report_failure, say
+from ._cli_report import (Shown, exit_code_of, flush_stdout, print_stacks,
+                          report_failure, say)
 from ._config import auto_nprocs, gpu_count
 from ._env import cpu_count
 
@@ -98,16 +99,7 @@ def _on_signal(signo, _frame):
 def _on_usr1(_signo, _frame):
     # Where every rank is, printed without stopping anything. Collecting takes up to
     # two seconds and the lock of the group the main thread is driving: not in a handler.
-    threading.Thread(target=_print_stacks, name="mplaunch-stacks", daemon=True).start()
-
-
-def _print_stacks() -> None:
-    from ._launch import running
-    runs = running()
-    if not runs:
-        say("SIGUSR1: no rank is running")
-    for run_ in runs:
-        say("SIGUSR1: where each rank is now (the launch goes on)\n" + str(run_.stacks()))
+    threading.Thread(target=print_stacks, name="mplaunch-stacks", daemon=True).start()
 
 
 # -- the command line ------------------------------------------------------------------

@@ -26,21 +26,11 @@ from ._ranks import RankState, drain_outputs
 from ._serialize import loads_result
 from ._signals import Waker
 from ._worker import EXIT_CHANNEL_CLOSED
-from ._memory import HOW_TO_CHECK
+from ._memory import killed_why
 from .errors import RankFailure, signal_name
 
 _DRAIN_WAIT = 2.0      # how long output pipes may stay open after every rank is gone
 _EXIT_WAIT = 10.0      # how long close() waits for SIGKILLed ranks to be reaped
-
-
-def killed_why(signo: int, kernel_note: Optional[str]) -> Optional[str]:
-    """Why a rank may have been killed by `signo`, as the failure's message."""
-    if kernel_note:
-        return kernel_note
-    if signo == signal.SIGKILL:
-        return ("nothing says who sent it; running out of memory is a common cause: "
-                + HOW_TO_CHECK)
-    return None
 
 
 class RankGroup:

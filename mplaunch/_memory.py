@@ -110,10 +110,21 @@ class OomWatch:
         cgroup, before = self._start.pop(pid, (None, None))
         if not (os.WIFSIGNALED(status) and os.WTERMSIG(status) == 9):
             return None
-        if in_kernel_log(pid):
+        if in_kernel_log(pid):  # (a few hundred records: a millisecond)
             return "the kernel's OOM killer killed it (the kernel log says so)"
         after = oom_kills(cgroup)
         if after is not None and before is not None and after > before:
+            # Not necessarily this rank, but in its cgroup while it ran.
             return (f"the kernel's OOM killer killed a process of its memory cgroup "
                     f"{cgroup} meanwhile (oom_kill went from {before} to {after})")
         return None
+
+
+def killed_why(signo: int, kernel_note: Optional[str]) -> Optional[str]:
+    """Why a rank may have been killed by `signo`, as the failure's message."""
+    if kernel_note:
+        return kernel_note
+    if signo == 9:
+        return ("nothing says who sent it; running out of memory is a common cause: "
+                + HOW_TO_CHECK)
+    return None

@@ -149,6 +149,19 @@ def test_stacks_for_8_ranks_without_stopping_them(tmp_path):
     assert handle.stacks() == {}  # ended: nothing to ask
 
 
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_stacks_in_every_start_method(tmp_path, start_method):
+    with mplaunch.start(waits_for_go, (str(tmp_path),), nprocs=2,
+                        start_method=start_method) as handle:
+        for rank in range(2):
+            _wait_for(tmp_path / f"ready{rank}")
+        stacks = handle.stacks()
+        open(tmp_path / "go", "w").close()
+        assert handle.result() == [0, 1]
+    assert str(stacks).startswith("ranks 0, 1:\n"), str(stacks)
+    assert "in waits_for_go" in stacks[0]
+
+
 def test_world_stacks_while_another_thread_runs(tmp_path):
     """World.run drives its loop in the caller's thread; stacks() from another thread
     reads the ranks without disturbing that run."""
