@@ -81,6 +81,16 @@ def barrier_but_rank_1_sleeps():
     dist.barrier()
 
 
+def file_rendezvous_barrier(path):
+    """A group set up without mplaunch's env:// hook: no reporter runs in the ranks."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{path}",
+                            rank=int(os.environ["RANK"]), world_size=2)
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    dist.barrier()
+
+
 def big_then_sigkill(nbytes):
     block = bytearray(nbytes)
     for i in range(0, nbytes, 4096):
@@ -191,7 +201,7 @@ def test_world_stacks_while_another_thread_runs(tmp_path):
 
 def test_timeout_message_groups_identical_stacks():
     with pytest.raises(mplaunch.LaunchTimeout) as info:
-        mplaunch.launch(barrier_but_rank_1_sleeps, nprocs=4, timeout=15, grace_period=1)
+        mplaunch.launch(barrier_but_rank_1_sleeps, nprocs=4, timeout=10, grace_period=1)
     text = str(info.value)
     assert "\nranks 0, 2, 3:\n" in text, text
     assert "\nrank 1:\n" in text, text
@@ -203,6 +213,17 @@ def test_timeout_message_groups_identical_stacks():
     assert "time.sleep(600)" in info.value.stacks[1]
     again = pickle.loads(pickle.dumps(info.value))
     assert str(again) == text
+
+
+def test_a_collective_whose_number_cannot_be_read_says_so(tmp_path):
+    with pytest.raises(mplaunch.LaunchTimeout) as info:
+        mplaunch.launch(file_rendezvous_barrier, (str(tmp_path / "rdzv"),), nprocs=2,
+                        timeout=8, grace_period=1)
+    assert info.value.stacks[0].startswith(
+        "in torch.distributed.barrier: collective number unknown (the rank did not "
+        "report it)\n"), info.value.stacks[0]
+    assert "collective" not in info.value.stacks[1]  # it is in none, and says nothing
+    assert "collectives:" not in str(info.value)     # nothing to compare
 
 
 # -- 4. frames without source ----------------------------------------------------------------
