@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-from . import _streams, _sys
+from . import _rank_pg, _streams, _sys
 from ._channel import send_framed
 
 # Sent by the parent to ask a rank for its Python stack (a C-level handler: it answers
@@ -88,6 +88,9 @@ def _apply_spec(spec) -> None:
         sys.argv[:] = spec.script.argv
     atexit._clear()  # handlers inherited from the forking process are not ours to run
     _install_rendezvous_hook()
+    if spec.cpus:
+        # cpus=: before any user code, so that every thread it starts inherits the set.
+        os.sched_setaffinity(0, spec.cpus)
     torch = sys.modules.get("torch")
     threads = os.environ.get("OMP_NUM_THREADS")
     if torch is not None and threads and threads.isdigit() and int(threads) > 0:
@@ -115,6 +118,7 @@ def run_rank(spec, fds: dict, expected_ppid: int):
         except BaseException:  # noqa: BLE001
             pass
     finally:
+        _rank_pg.teardown(failed=code != 0)   # the outcome has been sent already
         _flush_streams()
         _run_multiprocessing_finalizers()
         _kill_descendants()
@@ -163,6 +167,7 @@ def _call_and_report(sock, spec, payload_fd: int) -> int:
     payload = _sys.read_all_fd(payload_fd)
     exitcode = 0
     try:
+        _rank_pg.setup(spec.backend)   # once: a World's later calls find it made
         if spec.script is not None:
             value = _run_script(spec.script.target, spec.script.kind)
         else:

@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVar
 
-from . import _procs, _signals, _store, _sys
+from . import _procs, _rank_pg, _signals, _store, _sys
 from ._attempt import Attempt
 from ._config import LaunchConfig, check_call, rank_specs, seconds, validate, with_streams
 from ._outcome import results_or_raise
@@ -29,9 +29,7 @@ _open: "Set[World]" = set()
 
 
 def _setup_rank(backend: Optional[str]) -> None:
-    if backend:
-        import torch.distributed as dist
-        dist.init_process_group(backend)
+    _rank_pg.setup(backend)   # made already when the rank's spec named it
 
 
 class World:
@@ -50,18 +48,17 @@ class World:
 
     __module__ = "mplaunch"
 
-    def __init__(self, nprocs: Any = 1, backend: Optional[str] = None, **options: Any):
+    def __init__(self, nprocs: Any = None, backend: Optional[str] = None,
+                 **options: Any):
         if "kwargs" in options:
             raise TypeError("World takes no kwargs=; pass them to run()")
-        self.cfg: LaunchConfig = validate(_setup_rank, (backend,), nprocs, options)
+        self.cfg: LaunchConfig = validate(_setup_rank, (backend,), nprocs,
+                                          dict(options, backend=backend))
         if self.cfg.nnodes > 1:
             raise ValueError("a World runs on one node; for several nodes use launch()")
         if self.cfg.max_restarts:
             raise ValueError("a World does not restart on its own: after a failed run the "
                              "next run() starts fresh ranks; leave max_restarts at 0")
-        if backend is not None and not isinstance(backend, str):
-            raise TypeError(f"backend must be a str such as 'gloo' or 'nccl', or None, "
-                            f"got {backend!r}")
         self.backend = backend
         self._attempt: Optional[Attempt] = None
         self._stack: Optional[contextlib.ExitStack] = None

@@ -178,7 +178,7 @@ def pytest_pyfunc_call(pyfuncitem):
         if reuse:
             pyfuncitem.config.stash[_REUSED].run(blob, settings, backend, opts)
         else:
-            _launch(_run_in_rank, (blob, backend, settings), **opts)
+            _launch(_run_in_rank, (blob, settings), backend=backend, **opts)
     except MainProcessError as err:
         if err.signal_name == "SIGINT":
             raise KeyboardInterrupt from err  # Ctrl-C ends the session, as without us
