@@ -219,7 +219,8 @@ def resolve_nprocs(nprocs: Any, gpus: Any = None) -> int:
     if nprocs == "auto":
         return auto_nprocs()
     if not _is_int(nprocs) or nprocs < 1:
-        raise ValueError(f"nprocs must be a positive int or 'auto', got {nprocs!r}")
+        raise ValueError(f"nprocs must be a positive int, 'auto', or None (1, or one per "
+                         f"entry of a gpus= list), got {nprocs!r}")
     return int(nprocs)
 
 

@@ -173,3 +173,9 @@ def test_bad_gpus_cpus_and_backend_values_name_the_argument(nothing_starts):
 
 def test_format_of_a_ranks_cpus():
     assert format_cpus(sorted(os.sched_getaffinity(0)))
+
+
+def test_nprocs_left_out_is_one_rank_or_one_per_listed_gpu(monkeypatch):
+    assert mplaunch.launch(os.getpid).__len__() == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    assert mplaunch.launch(placement, gpus=[2, 0, 1]).__len__() == 3
