@@ -360,3 +360,21 @@ def place(nprocs: int, gpus, cpus, backend: Optional[str], environ: Mapping[str,
             rank_nodes = [gpu_numa_node(gpu_of(e, listed), sysfs_root) for e in per_rank]
         slices = tuple(cpu_slices(allowed, numa_nodes(sysfs_root), nprocs, rank_nodes))
     return Placement(tuple(per_rank) if per_rank is not None else None, slices)
+
+
+def describe_rank(local_rank: int, backend: Optional[str], placement: Placement,
+                  environ: Mapping[str, str], allowed: Sequence[int]) -> str:
+    """"GPU 2 (its CUDA_VISIBLE_DEVICES), CPUs 0-3": where one rank runs, for %ranks."""
+    if placement.gpus is not None:
+        device = f"GPU {placement.gpus[local_rank]} (its CUDA_VISIBLE_DEVICES)"
+    elif uses_cuda(backend):
+        visible = environ.get("CUDA_VISIBLE_DEVICES")
+        device = f"cuda:{local_rank}" + (f" of CUDA_VISIBLE_DEVICES={visible}"
+                                         if visible is not None else "")
+    else:
+        device = "the launching process's GPUs, none chosen"
+    if placement.cpus is not None:
+        cpus = f"CPUs {format_cpus(placement.cpus[local_rank])}"
+    else:
+        cpus = f"CPUs {format_cpus(allowed)} (shared)"
+    return f"{device}, {cpus}"
