@@ -318,6 +318,26 @@ def format_cpus(cpus: Sequence[int]) -> str:
     return ",".join(parts)
 
 
+def parse_gpus_flag(text: str):
+    """A command line's --gpus: "per-rank", "2,0" (positions) or "none", as gpus=."""
+    text = text.strip().lower()
+    if text in ("none", PER_RANK):
+        return None if text == "none" else text
+    try:
+        return [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"--gpus takes per-rank, a list of positions in the visible list "
+                         f"such as 2,0, or none; got {text!r}") from None
+
+
+def parse_cpus_flag(text: str):
+    """A command line's --cpus: "per-rank" or "none", as cpus=."""
+    text = text.strip().lower()
+    if text not in ("none", PER_RANK):
+        raise ValueError(f"--cpus takes per-rank or none; got {text!r}")
+    return None if text == "none" else text
+
+
 # -- one launch's placement ------------------------------------------------------------
 
 def uses_cuda(backend: Optional[str]) -> bool:
@@ -344,6 +364,7 @@ def place(nprocs: int, gpus, cpus, backend: Optional[str], environ: Mapping[str,
     or a CUDA backend) or than CPUs (cpus="per-rank")."""
     listed: Optional[Sequence[Gpu]] = None
     per_rank: Optional[List[str]] = None
+    own: Optional[Sequence[str]] = None   # each rank's GPU, where mplaunch knows it
     if gpus is not None or uses_cuda(backend):
         listed = driver()
         visible = visible_gpus(environ, listed)
@@ -353,11 +374,13 @@ def place(nprocs: int, gpus, cpus, backend: Optional[str], environ: Mapping[str,
             raise ValueError(f"backend={backend!r} puts each rank on a GPU of its own: "
                              f"{nprocs} ranks, but this process sees {seen}; use nprocs="
                              f"{len(visible)} or fewer, or a CPU backend such as 'gloo'")
+        # A CUDA backend puts rank LOCAL_RANK on visible device LOCAL_RANK.
+        own = per_rank if per_rank is not None else visible[:nprocs]
     slices = None
     if cpus is not None:
         rank_nodes = None
-        if per_rank is not None:
-            rank_nodes = [gpu_numa_node(gpu_of(e, listed), sysfs_root) for e in per_rank]
+        if own is not None:
+            rank_nodes = [gpu_numa_node(gpu_of(e, listed), sysfs_root) for e in own]
         slices = tuple(cpu_slices(allowed, numa_nodes(sysfs_root), nprocs, rank_nodes))
     return Placement(tuple(per_rank) if per_rank is not None else None, slices)
 

@@ -17,22 +17,15 @@ def placement_flags(parser, more: str = "") -> None:
 
 def placement_settings(args, command: str) -> Dict[str, Any]:
     """--gpus and --cpus as World's gpus= and cpus= (only those given)."""
+    from ._devices import parse_cpus_flag, parse_gpus_flag
     out: Dict[str, Any] = {}
-    if args.gpus is not None:
-        text = args.gpus.strip().lower()
-        if text in ("none", "per-rank"):
-            out["gpus"] = None if text == "none" else text
-        else:
-            try:
-                out["gpus"] = [int(p) for p in text.split(",") if p.strip()]
-            except ValueError:
-                raise ValueError(f"{command}: --gpus takes per-rank, a list of positions "
-                                 f"such as 2,0, or none; got {args.gpus!r}") from None
-    if args.cpus is not None:
-        text = args.cpus.strip().lower()
-        if text not in ("none", "per-rank"):
-            raise ValueError(f"{command}: --cpus takes per-rank or none; got {args.cpus!r}")
-        out["cpus"] = None if text == "none" else text
+    try:
+        if args.gpus is not None:
+            out["gpus"] = parse_gpus_flag(args.gpus)
+        if args.cpus is not None:
+            out["cpus"] = parse_cpus_flag(args.cpus)
+    except ValueError as exc:
+        raise ValueError(f"{command}: {exc}") from None
     return out
 
 

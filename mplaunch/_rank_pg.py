@@ -70,12 +70,21 @@ def teardown(failed: bool) -> None:
         return
     _ours = False
     if failed:
-        # The launcher answers a rank's error with SIGTERM to every rank, this one
-        # included: the (quick) abort and the rank's exit come first. Blocked until
-        # the exit: the rank is on its way out, and SIGKILL still comes after the grace
-        # period.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        shield()
     _end_group(failed)
+
+
+def shield() -> None:
+    """Before a failing rank reports: the launcher answers the report with SIGTERM to
+    every rank, this one included, and the group's (quick) abort must come first.
+    Ignored, not blocked: a mask is per thread, and the backend's threads would take
+    the signal. Until the rank exits, which it is about to do; SIGKILL still comes
+    after the grace period."""
+    if _ours:
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        except ValueError:
+            pass   # not the main thread: the abort races the SIGTERM
 
 
 def _end_group(failed: bool) -> None:

@@ -180,9 +180,13 @@ def _call_and_report(sock, spec, payload_fd: int) -> int:
         if exitcode == 0:
             _send(sock, ("ok", None))
             return 0
+        if not spec.serve:
+            _rank_pg.shield()
         _send_exception(sock, exc, exitcode, show=False)  # as python does for exit(n)
         return exitcode
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt and pytest outcomes too
+        if not spec.serve:
+            _rank_pg.shield()   # its group ends after the report, before the SIGTERM
         _send_exception(sock, exc, EXIT_ERROR, hint=_spawn_style_hint(exc))
         return EXIT_ERROR
     try:

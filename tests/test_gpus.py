@@ -179,3 +179,21 @@ def test_nprocs_left_out_is_one_rank_or_one_per_listed_gpu(monkeypatch):
     assert mplaunch.launch(os.getpid).__len__() == 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
     assert mplaunch.launch(placement, gpus=[2, 0, 1]).__len__() == 3
+
+
+def test_the_command_takes_backend_and_cpus(tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "where.py"
+    script.write_text("import os, torch.distributed as dist\n"
+                      "print('group', dist.is_initialized(), dist.get_world_size(),\n"
+                      "      'cpus', sorted(os.sched_getaffinity(0)))\n")
+    proc = subprocess.run([sys.executable, "-m", "mplaunch", "-n", "2", "--backend", "gloo",
+                           "--numa-binding", "exclusive", str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--numa-binding exclusive is --cpus per-rank" in proc.stderr
+    lines = sorted(line for line in proc.stdout.splitlines() if "group" in line)
+    assert len(lines) == 2 and all("group True 2 cpus" in line for line in lines), lines
+    cpus = [line.split("cpus ")[1] for line in lines]
+    assert cpus[0] != cpus[1]
