@@ -39,8 +39,10 @@ class World:
     ``backend=``) the process group stay for the next ``run``.
 
     Takes the keyword arguments of :func:`mplaunch.launch` (``timeout`` applies to each
-    run). The ranks start at the first ``run`` (or ``start()``); with ``backend`` each
-    has called ``torch.distributed.init_process_group(backend)`` before it. A failing
+    run), ``gpus=`` and ``cpus=`` included. The ranks start at the first ``run`` (or
+    ``start()``); with ``backend`` each has called
+    ``torch.distributed.init_process_group(backend)`` before it (on CUDA, on its own
+    GPU: see :doc:`gpus`). A failing
     run raises as ``launch`` does and tears the world down; the next ``run`` starts
     fresh ranks. ``restart()`` does so on purpose. ``close()`` (or leaving the ``with``
     block) ends every process; a world left open is closed at interpreter exit.
