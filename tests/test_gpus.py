@@ -9,7 +9,6 @@ import pytest
 
 import mplaunch
 from mplaunch import _group, _procs
-from mplaunch._devices import format_cpus
 
 METHODS = ["forkserver", "spawn", "fork"]
 
@@ -169,10 +168,6 @@ def test_bad_gpus_cpus_and_backend_values_name_the_argument(nothing_starts):
     with pytest.raises(ValueError, match=r"cpus='per-rank'.*ranks, but this process may "
                                          r"run on"):
         mplaunch.launch(print, nprocs=len(os.sched_getaffinity(0)) + 1, cpus="per-rank")
-
-
-def test_format_of_a_ranks_cpus():
-    assert format_cpus(sorted(os.sched_getaffinity(0)))
 
 
 def test_nprocs_left_out_is_one_rank_or_one_per_listed_gpu(monkeypatch):
