@@ -192,3 +192,26 @@ def test_no_numa_information_splits_flat(tmp_path):
 def test_more_ranks_than_cpus_is_refused_with_the_counts(tmp_path):
     with pytest.raises(ValueError, match=r"3 ranks, but this process may run on 2 CPUs"):
         dv.place(3, None, "per-rank", None, {}, [0, 1], sysfs_root=str(tmp_path))
+
+
+def test_counting_gpus_imports_no_torch_so_cuda_cannot_be_initialised():
+    import subprocess
+    import sys
+    code = ("import sys, mplaunch\n"
+            "from mplaunch._config import gpu_count, auto_nprocs\n"
+            "gpu_count(); auto_nprocs()\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_a_ranks_device_is_0_when_it_sees_one_gpu_else_local_rank():
+    from mplaunch._rank_pg import local_device, uses_cuda
+    assert local_device({"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "GPU-aaaa"}) == 0
+    assert local_device({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4,5"}) == 1
+    assert local_device({"LOCAL_RANK": "2"}) == 2
+    # The rank's reading of a backend string is the launching process's.
+    for backend in ("nccl", "gloo", "cpu:gloo,cuda:nccl", "NCCL", None, "cuda:gloo"):
+        assert uses_cuda(backend) == dv.uses_cuda(backend)
