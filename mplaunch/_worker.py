@@ -150,7 +150,7 @@ def _kill_descendants() -> None:
 def _run_and_report(spec, fds: dict) -> int:
     import socket
     sock = socket.socket(fileno=fds["result"])
-    code = _call_and_report(sock, spec, fds["payload"])
+    code = _call_and_report(sock, spec, fds["payload"], first=True)
     if spec.serve:
         # A World's rank: more calls follow, until the parent ends the world.
         from ._serve import serve
@@ -158,7 +158,7 @@ def _run_and_report(spec, fds: dict) -> int:
     return code
 
 
-def _call_and_report(sock, spec, payload_fd: int) -> int:
+def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
     """Run what the payload in `payload_fd` holds (or the spec's script), send one
     message: the result or the exception. Returns the exit code that outcome calls for.
     The payload stays open: the rank's spawn and forkserver children read the
@@ -167,7 +167,10 @@ def _call_and_report(sock, spec, payload_fd: int) -> int:
     payload = _sys.read_all_fd(payload_fd)
     exitcode = 0
     try:
-        _rank_pg.setup(spec.backend)   # once: a World's later calls find it made
+        if first:
+            # Once: a World's group that a call destroyed stays destroyed (re-making it
+            # would rendezvous again under the same keys).
+            _rank_pg.setup(spec.backend)
         if spec.script is not None:
             value = _run_script(spec.script.target, spec.script.kind)
         else:

@@ -192,3 +192,17 @@ def test_the_command_takes_backend_and_cpus(tmp_path):
     assert len(lines) == 2 and all("group True 2 cpus" in line for line in lines), lines
     cpus = [line.split("cpus ")[1] for line in lines]
     assert cpus[0] != cpus[1]
+
+
+def test_a_world_keeps_its_group_between_runs_and_a_destroyed_one_stays_so():
+    def seq_then(destroy):
+        import torch.distributed as dist
+        up = dist.is_initialized()
+        if destroy:
+            dist.barrier()
+            dist.destroy_process_group()
+        return up
+    with mplaunch.World(2, backend="gloo") as world:
+        assert world.run(seq_then, (False,)) == [True, True]
+        assert world.run(seq_then, (True,)) == [True, True]
+        assert world.run(seq_then, (False,)) == [False, False]
