@@ -19,7 +19,7 @@ from . import _torchrun
 from ._cli_targets import UsageError, prepare
 from ._cli_report import Shown, exit_code_of, flush_stdout, report_failure, say
 from ._config import auto_nprocs, gpu_count
-from ._devices import parse_cpus_flag, parse_gpus_flag
+from ._placement_flags import argparse_type, parse_cpus_flag, parse_gpus_flag
 from ._env import cpu_count
 
 EXIT_USAGE = 2
@@ -219,11 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each rank calls init_process_group(BACKEND) before the target and "
                         "destroy_process_group after it: gloo, nccl (each rank on its own "
                         "GPU), cpu:gloo,cuda:nccl")
-    p.add_argument("--gpus", type=_flag(parse_gpus_flag), default=None,
+    p.add_argument("--gpus", type=argparse_type(parse_gpus_flag), default=None,
                    metavar="per-rank|I,J,...",
                    help="per-rank: each rank sees one GPU of this process's; I,J,...: "
                         "those positions of its visible list, one per rank")
-    p.add_argument("--cpus", type=_flag(parse_cpus_flag), default=None, metavar="per-rank",
+    p.add_argument("--cpus", type=argparse_type(parse_cpus_flag), default=None, metavar="per-rank",
                    help="per-rank: disjoint slices of this process's CPUs, one per rank "
                         "(within a NUMA node; OMP_NUM_THREADS their size)")
     p.add_argument("--version", action="version", version=f"mplaunch {__version__}")
@@ -231,16 +231,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what every rank runs, followed by its own arguments")
     _torchrun.add_arguments(p)
     return p
-
-
-def _flag(parse):
-    def parse_flag(text: str):
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).replace("--gpus takes ", "")
-                                             .replace("--cpus takes ", "expected "))
-    return parse_flag
 
 
 def _port(text: str) -> int:

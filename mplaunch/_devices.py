@@ -318,26 +318,6 @@ def format_cpus(cpus: Sequence[int]) -> str:
     return ",".join(parts)
 
 
-def parse_gpus_flag(text: str):
-    """A command line's --gpus: "per-rank", "2,0" (positions) or "none", as gpus=."""
-    text = text.strip().lower()
-    if text in ("none", PER_RANK):
-        return None if text == "none" else text
-    try:
-        return [int(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise ValueError(f"--gpus takes per-rank, a list of positions in the visible list "
-                         f"such as 2,0, or none; got {text!r}") from None
-
-
-def parse_cpus_flag(text: str):
-    """A command line's --cpus: "per-rank" or "none", as cpus=."""
-    text = text.strip().lower()
-    if text not in ("none", PER_RANK):
-        raise ValueError(f"--cpus takes per-rank or none; got {text!r}")
-    return None if text == "none" else text
-
-
 # -- one launch's placement ------------------------------------------------------------
 
 def uses_cuda(backend: Optional[str]) -> bool:
@@ -384,20 +364,3 @@ def place(nprocs: int, gpus, cpus, backend: Optional[str], environ: Mapping[str,
         slices = tuple(cpu_slices(allowed, numa_nodes(sysfs_root), nprocs, rank_nodes))
     return Placement(tuple(per_rank) if per_rank is not None else None, slices)
 
-
-def describe_rank(local_rank: int, backend: Optional[str], placement: Placement,
-                  environ: Mapping[str, str], allowed: Sequence[int]) -> str:
-    """"GPU 2 (its CUDA_VISIBLE_DEVICES), CPUs 0-3": where one rank runs, for %ranks."""
-    if placement.gpus is not None:
-        device = f"GPU {placement.gpus[local_rank]} (its CUDA_VISIBLE_DEVICES)"
-    elif uses_cuda(backend):
-        visible = environ.get("CUDA_VISIBLE_DEVICES")
-        device = f"cuda:{local_rank}" + (f" of CUDA_VISIBLE_DEVICES={visible}"
-                                         if visible is not None else "")
-    else:
-        device = "the launching process's GPUs, none chosen"
-    if placement.cpus is not None:
-        cpus = f"CPUs {format_cpus(placement.cpus[local_rank])}"
-    else:
-        cpus = f"CPUs {format_cpus(allowed)} (shared)"
-    return f"{device}, {cpus}"

@@ -18,7 +18,6 @@ import linecache
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from ._magic_placement import placement_flags, placement_lines, placement_settings
 from .errors import LaunchTimeout, MainProcessError, WorkerError
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", "DEFAULT_NPROCS"]
@@ -139,6 +138,8 @@ class _Done(Exception):
 def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     import argparse
 
+    from ._placement_flags import placement_flags
+
     class _Parser(argparse.ArgumentParser):
         def error(self, message):
             raise _Usage(f"{self.prog}: {message}")
@@ -185,6 +186,7 @@ def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
 
 def _placement(args, command: str) -> Dict[str, Any]:
+    from ._placement_flags import placement_settings
     try:
         return placement_settings(args, command)
     except ValueError as exc:
@@ -257,6 +259,7 @@ class _Ranks:
         s = self.settings
         what = f"{s['nprocs']} ranks, backend {s['backend'] or 'none'}"
         if self.world is not None and self.world.pids:
+            from ._placement_flags import placement_lines
             return f"{what}: up, pids {self.world.pids}\n" + placement_lines(self.world)
         if self.torn_down:
             return f"{what}: torn down ({self.torn_down}); the next %%ranks cell starts " \
