@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional, Sequence
 
-from ._devices import PER_RANK, Placement, format_cpus, uses_cuda
+from ._engine.devices import PER_RANK, Placement, format_cpus, uses_cuda
 
 
 def parse_gpus_flag(text: str):
@@ -65,7 +65,7 @@ def placement_lines(world) -> str:
     """Each rank's device and CPUs, as its World placed it."""
     import os
 
-    from ._env import allowed_cpus
+    from ._engine.env import allowed_cpus
     cfg, pids = world.cfg, world.pids
     placement = Placement(cfg.gpus, cfg.cpus)
     allowed = allowed_cpus()

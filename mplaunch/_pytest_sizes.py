@@ -12,9 +12,6 @@ from typing import Optional
 
 import pytest
 
-SIZE = "_mplaunch_nprocs"   # the parametrized argument of a test with several sizes
-
-
 def _marked_nprocs(markers) -> object:
     """The closest marker's nprocs (positional or keyword), else None."""
     for marker in markers:
@@ -25,7 +22,7 @@ def _marked_nprocs(markers) -> object:
     return None
 
 
-def parametrize_sizes(metafunc, markers, reuse_default: bool) -> None:
+def parametrize_sizes(metafunc, markers, reuse_default: bool, argname: str) -> None:
     """``nprocs=[1, 2, 4]``: the test once per size, with ids such as ``[nprocs=2]``.
     Reuse tests are parametrized at session scope, so that pytest groups them by size
     and each size's world serves all of its tests in turn (the plugin keeps one world
@@ -42,15 +39,15 @@ def parametrize_sizes(metafunc, markers, reuse_default: bool) -> None:
                  reuse_default)
     # Not an argument of the test: a fixture of the plugin's, which the test's
     # fixture closure gains here (and the ranks never receive).
-    metafunc.fixturenames.append(SIZE)
-    metafunc.parametrize(SIZE, list(sizes), indirect=True, ids=lambda n: f"nprocs={n}",
+    metafunc.fixturenames.append(argname)
+    metafunc.parametrize(argname, list(sizes), indirect=True, ids=lambda n: f"nprocs={n}",
                          scope="session" if reuse else "function")
 
 
 def gpu_shortfall(opts: dict) -> Optional[str]:
     """Why this machine cannot run a test of these marker options (a CUDA backend, or
     gpus=, wanting more GPUs than it has), or None."""
-    from ._devices import PER_RANK, uses_cuda
+    from ._engine.devices import PER_RANK, uses_cuda
     gpus = opts.get("gpus")
     if gpus is None and not uses_cuda(opts.get("backend")):
         return None
@@ -71,5 +68,5 @@ def gpu_shortfall(opts: dict) -> Optional[str]:
 
 @functools.lru_cache(maxsize=None)
 def gpus_here() -> int:
-    from ._config import gpu_count
+    from ._engine.config import gpu_count
     return gpu_count()

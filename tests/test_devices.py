@@ -3,8 +3,8 @@ with made-up machines (environments, driver lists, sysfs trees). No GPU is neede
 mapping is decided before any process starts, without CUDA."""
 import pytest
 
-from mplaunch import _devices as dv
-from mplaunch._devices import Gpu
+from mplaunch._engine import devices as dv
+from mplaunch._engine.devices import Gpu
 
 pytestmark = pytest.mark.no_torch
 
@@ -198,7 +198,7 @@ def test_counting_gpus_imports_no_torch_so_cuda_cannot_be_initialised():
     import subprocess
     import sys
     code = ("import sys, mplaunch\n"
-            "from mplaunch._config import gpu_count, auto_nprocs\n"
+            "from mplaunch._engine.config import gpu_count, auto_nprocs\n"
             "gpu_count(); auto_nprocs()\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -208,7 +208,7 @@ def test_counting_gpus_imports_no_torch_so_cuda_cannot_be_initialised():
 
 
 def test_a_ranks_device_is_0_when_it_sees_one_gpu_else_local_rank():
-    from mplaunch._rank_pg import local_device, uses_cuda
+    from mplaunch._rank.procgroup import local_device, uses_cuda
     assert local_device({"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "GPU-aaaa"}) == 0
     assert local_device({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4,5"}) == 1
     assert local_device({"LOCAL_RANK": "2"}) == 2

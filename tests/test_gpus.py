@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 import mplaunch
-from mplaunch import _group, _procs
+from mplaunch._engine import group as _group, servers as _procs, spawners as _spawners
 
 METHODS = ["forkserver", "spawn", "fork"]
 
@@ -122,7 +122,7 @@ def nothing_starts(monkeypatch):
     servers = set(_procs.server_pids()) | set(_procs.idle_pool_pids())
     monkeypatch.setattr(_procs, "get_server", started)
     monkeypatch.setattr(_group.RankGroup, "__init__", started)
-    monkeypatch.setattr(_procs, "fork_rank", started)
+    monkeypatch.setattr(_spawners, "fork_rank", started)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield
     # (A warm server left by earlier tests may replenish its idle pool meanwhile.)

@@ -13,7 +13,7 @@ from nbformat.v4 import new_code_cell, new_notebook  # noqa: E402
 from test_notebook import (KernelTree, _client, _errors, _plain, _stream,  # noqa: E402,F401
                           kernel_config)
 
-from mplaunch._devices import format_cpus  # noqa: E402
+from mplaunch._engine.devices import format_cpus  # noqa: E402
 
 
 @pytest.mark.notebook
