@@ -206,3 +206,107 @@ def test_a_world_keeps_its_group_between_runs_and_a_destroyed_one_stays_so():
         assert world.run(seq_then, (False,)) == [True, True]
         assert world.run(seq_then, (True,)) == [True, True]
         assert world.run(seq_then, (False,)) == [False, False]
+
+
+# -- on a GPU machine (skipped here: no GPU; counted through NVML, never CUDA) ------------
+
+def _gpus_here():
+    from mplaunch._engine.config import gpu_count
+    return gpu_count()
+
+
+needs_gpus = pytest.mark.skipif(_gpus_here() < 1, reason="needs a CUDA GPU")
+
+_CUDA_IN_LAUNCHER = r"""
+import sys, mplaunch, torch
+torch.cuda.init()                      # CUDA initialised in the launching process
+assert torch.cuda.is_initialized()
+
+def where():
+    import torch
+    return torch.cuda.is_available() and torch.ones(1, device="cuda").item()
+
+for method in ("forkserver", "spawn"):
+    assert mplaunch.launch(where, nprocs=1, start_method=method) == [1.0], method
+try:
+    mplaunch.launch(where, nprocs=1, start_method="fork")
+except RuntimeError as err:
+    assert "CUDA is already initialised" in str(err)
+else:
+    sys.exit("fork was not refused")
+print("OK")
+"""
+
+
+@needs_gpus
+def test_cuda_in_the_launcher_leaves_forkserver_and_spawn_working_and_refuses_fork(
+        tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "cuda_launcher.py"
+    script.write_text(_CUDA_IN_LAUNCHER)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr
+
+
+def nccl_all_reduce():
+    import torch
+    import torch.distributed as dist
+    t = torch.ones(1, device="cuda") * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    return (t.item(), torch.cuda.current_device(), torch.cuda.device_count(),
+            os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+@needs_gpus
+def test_a_world_with_nccl_runs_a_collective_on_its_gpu(tmp_path):
+    logs = tmp_path / "logs"
+    with mplaunch.World(1, backend="nccl", log_dir=str(logs)) as world:
+        total, device, _, _ = world.run(nccl_all_reduce)[0]
+    assert (total, device) == (1.0, 0)
+
+
+@needs_gpus
+def test_gpus_per_rank_with_nccl(tmp_path):
+    n = min(2, _gpus_here())
+    logs = tmp_path / "logs"
+    out = mplaunch.launch(nccl_all_reduce, nprocs=n, gpus="per-rank", backend="nccl",
+                          log_dir=str(logs))
+    assert [o[0] for o in out] == [n * (n + 1) / 2] * n
+    assert [o[1:3] for o in out] == [(0, 1)] * n            # one GPU each, as cuda:0
+    assert len({o[3] for o in out}) == n
+    for rank in range(n):
+        stderr = (logs / "attempt_0" / str(rank) / "stderr.log").read_text()
+        assert "NOT been destroyed" not in stderr and "Warning" not in stderr, stderr
+
+
+_MEMORY = r"""
+import mplaunch
+
+def hold():
+    import torch
+    global block
+    block = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")   # 1 GiB, kept
+    return torch.cuda.memory_allocated()
+
+with mplaunch.World(1, backend="nccl") as world:
+    assert world.run(hold)[0] >= 1 << 30
+    import torch
+    during = torch.cuda.mem_get_info()[0]
+after = torch.cuda.mem_get_info()[0]
+print(during, after)
+assert after - during >= 1 << 30, (during, after)
+print("OK")
+"""
+
+
+@needs_gpus
+def test_gpu_memory_is_released_when_a_world_closes(tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "memory.py"
+    script.write_text(_MEMORY)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr
