@@ -194,6 +194,8 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
                         f"({type(value).__name__}): {type(exc).__name__}: {exc}. Return "
                         "something picklable, or save it to a file and return the path.")
         err.__cause__ = exc
+        if not spec.serve:
+            procgroup.shield()
         _send_exception(sock, err, EXIT_ERROR)
         return EXIT_ERROR
     _send_raw(sock, RESULT_TAG + data, tensor_fds)
