@@ -178,6 +178,14 @@ def test_a_rank_with_one_gpu_gets_cpus_of_its_gpus_node(tmp_path):
     assert p.cpus == ((4, 5), (6, 7))
 
 
+def test_a_cuda_backend_places_rank_i_near_visible_gpu_i(tmp_path):
+    # No gpus=, but NCCL puts rank LOCAL_RANK on visible GPU LOCAL_RANK: its node's CPUs
+    # (torchrun's --numa-binding binds by the same GPU).
+    root = sysfs(tmp_path, {0: "0-3", 1: "4-7"}, {"0000:1a:00.0": 1, "0000:3b:00.0": 0})
+    p = dv.place(2, None, "per-rank", "nccl", {}, range(8), sysfs_root=root, driver=four)
+    assert p.gpus is None and p.cpus == ((4, 5, 6, 7), (0, 1, 2, 3))
+
+
 def test_unknown_gpu_nodes_fall_back_to_nodes_in_proportion(tmp_path):
     root = sysfs(tmp_path, {0: "0-3", 1: "4-7"}, {"0000:1a:00.0": -1})
     p = dv.place(2, [0, 1], "per-rank", None, {}, range(8), sysfs_root=root, driver=four)
