@@ -223,3 +223,54 @@ def test_a_ranks_device_is_0_when_it_sees_one_gpu_else_local_rank():
     # The rank's reading of a backend string is the launching process's.
     for backend in ("nccl", "gloo", "cpu:gloo,cuda:nccl", "NCCL", None, "cuda:gloo"):
         assert uses_cuda(backend) == dv.uses_cuda(backend)
+
+
+class FakeNvml:
+    """libnvidia-ml.so.1 as ctypes sees it, for two GPUs, the second with a MIG device:
+    each call fills its byref arguments and returns NVML_SUCCESS (0)."""
+    GPUS = [("GPU-1111", b"00000000:3B:00.0", []), ("GPU-2222", b"00000000:AF:00.0",
+                                                     ["MIG-9999"])]
+
+    def __init__(self):
+        self.shut = False
+
+    def nvmlInit_v2(self):
+        return 0
+
+    def nvmlShutdown(self):
+        self.shut = True
+        return 0
+
+    def nvmlDeviceGetCount_v2(self, count):
+        count._obj.value = len(self.GPUS)
+        return 0
+
+    def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+        handle._obj.value = 100 + index.value
+        return 0
+
+    def nvmlDeviceGetUUID(self, handle, buf, size):
+        h = handle.value
+        uuid = self.GPUS[h - 100][0] if h < 200 else self.GPUS[(h - 200) // 10][2][0]
+        buf.value = uuid.encode()
+        return 0
+
+    def nvmlDeviceGetPciInfo_v3(self, handle, pci):
+        pci._obj.busId = self.GPUS[handle.value - 100][1]
+        return 0
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle, most):
+        most._obj.value = len(self.GPUS[handle.value - 100][2])
+        return 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle, j, mig):
+        mig._obj.value = 200 + (handle.value - 100) * 10 + j.value
+        return 0
+
+
+def test_nvml_lists_gpus_bus_ids_and_mig_devices(monkeypatch):
+    fake = FakeNvml()
+    monkeypatch.setattr(dv.ctypes, "CDLL", lambda name: fake)
+    assert dv._nvml_gpus() == [Gpu(0, "GPU-1111", "0000:3b:00.0"),
+                               Gpu(1, "GPU-2222", "0000:af:00.0", ("MIG-9999",))]
+    assert fake.shut
