@@ -67,7 +67,9 @@ def time_imports(runs: int) -> dict:
     for _ in range(runs):
         for name, code in VARIANTS.items():
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-c", code], env=env, check=True)
+            # From a directory with no mplaunch in it: `-c` puts the current directory
+            # first on sys.path, and PYTHONPATH must decide which copy is measured.
+            subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd="/")
             samples[name].append(time.perf_counter() - t0)
     med = {name: statistics.median(s) for name, s in samples.items()}
     return {
@@ -81,7 +83,7 @@ def time_imports(runs: int) -> dict:
 
 def child_modules() -> list:
     out = subprocess.run([sys.executable, "-c", CHILD_PROBE], env=_env(), check=True,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, cwd="/")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -10,7 +10,10 @@ workers) import this package to rebuild their ``__main__``. ``dir(mplaunch)``,
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, List
+
+# Not typing.TYPE_CHECKING: importing typing would cost more than the rest of this module.
+# Type checkers read any name TYPE_CHECKING as true.
+TYPE_CHECKING = False
 
 __version__ = "0.1.0"
 
@@ -47,6 +50,8 @@ _HOMES = {
 }
 
 if TYPE_CHECKING:
+    from typing import Any, List
+
     from ._handle import Handle, start
     from ._launch import launch
     from ._magic import load_ipython_extension, unload_ipython_extension

@@ -15,9 +15,12 @@ import signal
 import sys
 import time
 
-from . import procgroup, rendezvous, streams
-from .._wire import linux
+from . import procgroup, rendezvous, serve as serving, streams
+# Imported here, not when first used: the server imports this module before it forks
+# any rank (a forked rank finds them loaded), and every rank needs them.
+from .._wire import linux, mainmod, payload as wire_payload
 from .._wire.channel import send_framed
+from .._wire.exceptions import pack_exception
 from .._wire.messages import (EXIT_ERROR, EXIT_PARENT_GONE, MESSAGE_TAG, RESULT_TAG,
                               STACK_SIGNAL, Raised, Returned)
 
@@ -148,8 +151,8 @@ def _run_and_report(spec, fds: dict) -> int:
     code = _call_and_report(sock, spec, fds["payload"], first=True)
     if spec.serve:
         # A World's rank: more calls follow, until the parent ends the world.
-        from .serve import serve
-        return serve(sock, fds["payload"], lambda fd: _call_and_report(sock, spec, fd))
+        return serving.serve(sock, fds["payload"],
+                             lambda fd: _call_and_report(sock, spec, fd))
     return code
 
 
@@ -158,7 +161,6 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
     message: the result or the exception. Returns the exit code that outcome calls for.
     The payload stays open: the rank's spawn and forkserver children read the
     definitions of its __main__ from it."""
-    from .._wire import payload as wire_payload
     payload = linux.read_all_fd(payload_fd)
     exitcode = 0
     try:
@@ -169,8 +171,8 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
         if spec.script is not None:
             value = _run_script(spec.script.target, spec.script.kind)
         else:
-            from .._wire.mainmod import publish
-            func, args, kwargs = wire_payload.loads_payload(payload, publish(payload_fd))
+            func, args, kwargs = wire_payload.loads_payload(payload,
+                                                           mainmod.publish(payload_fd))
             del payload
             value = func(*args, **kwargs)
     except SystemExit as exc:
@@ -250,7 +252,6 @@ def _spawn_style_hint(exc: BaseException):
 
 def _send_exception(sock, exc: BaseException, exitcode: int, show: bool = True,
                     hint=None) -> None:
-    from .._wire.exceptions import pack_exception
     tb = exc.__traceback__
     while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
                               or tb.tb_frame.f_code.co_filename == "<frozen runpy>"):
