@@ -61,16 +61,17 @@ def setup(backend: Optional[str]) -> None:
 
 
 def teardown(failed: bool) -> None:
-    """At the rank's exit: end the group setup() made, if it is still up. After a success the ranks leave
-    together first (see below); after a failure the group is aborted where the backend
-    can (NCCL: destroying it would wait on collectives that will never complete), else
-    destroyed. Never raises: the rank's outcome has been reported already."""
+    """At the rank's exit: end the group setup() made, if it is still up. After a
+    success the ranks leave together first (see below); after a failure the group is
+    aborted where the backend can (NCCL: destroying it would wait on collectives that
+    will never complete), else destroyed. Never raises: the rank's outcome has been
+    reported already."""
     global _ours
     if not _ours:
         return
-    _ours = False
     if failed:
         shield()
+    _ours = False
     _end_group(failed)
 
 
