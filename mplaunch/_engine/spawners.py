@@ -164,7 +164,7 @@ class ForkSpawner(ServerSpawner):
 
     def open(self, sel: selectors.BaseSelector) -> None:
         # What the forked ranks run, imported once here rather than in each of them.
-        from .._rank import worker  # noqa: F401
+        from .._rank.worker import run_rank  # noqa: F401
         super().open(sel)
 
     def start(self, token: int, spec: RankSpec, fds: Sequence[int]) -> None:

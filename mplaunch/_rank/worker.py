@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-from . import collectives, rendezvous, serve as serving, streams
+from . import collectives, procgroup, rendezvous, serve as serving, streams
 # Imported here, not when first used: the server imports this module before it forks
 # any rank (a forked rank finds them loaded), and every rank needs them.
 from .._wire import linux, mainmod, payload as wire_payload
@@ -93,6 +93,9 @@ def _apply_spec(spec) -> None:
         sys.argv[:] = spec.script.argv
     atexit._clear()  # handlers inherited from the forking process are not ours to run
     rendezvous.install_hook()
+    if spec.cpus:
+        # cpus=: before any user code, so that every thread it starts inherits the set.
+        os.sched_setaffinity(0, spec.cpus)
     torch = sys.modules.get("torch")
     threads = os.environ.get("OMP_NUM_THREADS")
     if torch is not None and threads and threads.isdigit() and int(threads) > 0:
@@ -126,6 +129,7 @@ def run_rank(spec, fds: dict, expected_ppid: int):
         except BaseException:  # noqa: BLE001
             pass
     finally:
+        procgroup.teardown(failed=code != 0)   # the outcome has been sent already
         _flush_streams()
         _run_multiprocessing_finalizers()
         _kill_descendants()
@@ -159,7 +163,7 @@ def _run_and_report(spec, fds: dict) -> int:
     sock = socket.socket(fileno=fds["result"])
     global _channel_inode
     _channel_inode = os.fstat(sock.fileno()).st_ino
-    code = _call_and_report(sock, spec, fds["payload"])
+    code = _call_and_report(sock, spec, fds["payload"], first=True)
     if spec.serve:
         # A World's rank: more calls follow, until the parent ends the world.
         return serving.serve(sock, fds["payload"],
@@ -167,7 +171,7 @@ def _run_and_report(spec, fds: dict) -> int:
     return code
 
 
-def _call_and_report(sock, spec, payload_fd: int) -> int:
+def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
     """Run what the payload in `payload_fd` holds (or the spec's script), send one
     message: the result or the exception. Returns the exit code that outcome calls for.
     The payload stays open: the rank's spawn and forkserver children read the
@@ -175,6 +179,10 @@ def _call_and_report(sock, spec, payload_fd: int) -> int:
     payload = linux.read_all_fd(payload_fd)
     exitcode = 0
     try:
+        if first:
+            # Once: a World's group that a call destroyed stays destroyed (re-making it
+            # would rendezvous again under the same keys).
+            procgroup.setup(spec.backend)
         if spec.script is not None:
             value = _run_script(spec.script.target, spec.script.kind)
         else:
@@ -187,9 +195,13 @@ def _call_and_report(sock, spec, payload_fd: int) -> int:
         if exitcode == 0:
             _send(sock, Returned(None))
             return 0
+        if not spec.serve:
+            procgroup.shield()
         _send_exception(sock, exc, exitcode, show=False)  # as python does for exit(n)
         return exitcode
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt and pytest outcomes too
+        if not spec.serve:
+            procgroup.shield()   # its group ends after the report, before the SIGTERM
         _send_exception(sock, exc, EXIT_ERROR, hint=_spawn_style_hint(exc))
         return EXIT_ERROR
     try:
@@ -201,6 +213,8 @@ def _call_and_report(sock, spec, payload_fd: int) -> int:
         err.__cause__ = exc
         if spec.script is None:
             err = _raised_at_return(func, err)
+        if not spec.serve:
+            procgroup.shield()
         _send_exception(sock, err, EXIT_ERROR)
         return EXIT_ERROR
     _send_raw(sock, RESULT_TAG + data, tensor_fds)
