@@ -138,6 +138,8 @@ class _Done(Exception):
 def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     import argparse
 
+    from ._placement_flags import placement_flags
+
     class _Parser(argparse.ArgumentParser):
         def error(self, message):
             raise _Usage(f"{self.prog}: {message}")
@@ -170,6 +172,7 @@ def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                        help="also write each rank's output to files in this directory")
     start.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                        help="an environment variable for every rank (repeatable)")
+    placement_flags(start)
     sub.add_parser("stop", help="end every rank")
     sub.add_parser("restart", help="end the ranks and start fresh ones, same settings")
     push = sub.add_parser("push", help="copy notebook variables into every rank's "
@@ -178,10 +181,21 @@ def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     pull = sub.add_parser("pull", help="a variable of the ranks' namespace, as a list "
                                        "by rank")
     pull.add_argument("name")
+    sub.add_parser("stacks", help="where each rank is now (every thread's innermost "
+                                  "frames, grouped), without stopping anything")
     cell = _Parser(prog="%%ranks", description="Run the cell in every rank.")
     cell.add_argument("--timeout", type=float, default=None,
                       help="seconds this cell may run (default: the world's)")
+    placement_flags(cell, " (the world is restarted with it if it differs)")
     return line, cell
+
+
+def _placement(args, command: str) -> Dict[str, Any]:
+    from ._placement_flags import placement_settings
+    try:
+        return placement_settings(args, command)
+    except ValueError as exc:
+        raise _Usage(str(exc)) from None
 
 
 def _default_backend() -> Optional[str]:
@@ -208,16 +222,14 @@ class _Ranks:
         ``%%ranks`` runs the cell in every rank (a world of 2 ranks with the gloo
         backend is started on first use); names it defines stay in each rank for the
         next ``%%ranks`` cell. Each rank's output shows, prefixed, under the cell; the
-        first failure is raised in the cell and the world heals: its ranks and their
-        names stay (the error says if the process group was rebuilt); what cannot be
-        healed is torn down and the next cell starts fresh ranks. The stop button
-        interrupts every rank and keeps the world. ``%%ranks --timeout S`` limits one
-        cell.
+        first failure is raised in the cell and the world heals (its ranks and names
+        stay; the stop button interrupts every rank); what cannot be healed is torn
+        down and the next cell starts fresh ranks. ``%%ranks --timeout S`` limits one.
 
         ``%ranks start [N] [--backend B] [--timeout S] [--grace-period S] [--no-heal]
         [--log-dir D] [--env NAME=VALUE]``, ``%ranks stop``, ``%ranks restart``,
-        ``%ranks push NAME...``, ``%ranks pull NAME`` (a list by rank), and ``%ranks``
-        (status). ``%ranks --help`` and ``%ranks start --help`` list the options.
+        ``%ranks push NAME...``, ``%ranks pull NAME`` (a list by rank), ``%ranks
+        stacks`` (where each rank is now), and ``%ranks`` (status). ``%ranks --help`` and ``%ranks start --help`` list the options.
         """
         __tracebackhide__ = True  # noqa: F841 - IPython leaves our frames out
         import shlex
@@ -247,16 +259,20 @@ class _Ranks:
             self.push(args.names)
         elif args.command == "pull":
             return self.pull(args.name)
+        elif args.command == "stacks":
+            print(self.world.stacks() if self.world is not None and self.world.pids
+                  else "no rank is running")
         return None
 
     def status(self) -> str:
         s = self.settings
         what = f"{s['nprocs']} ranks, backend {s['backend'] or 'none'}"
         if self.world is not None and self.world.pids:
-            fresh = self.world.fresh_ranks
-            return f"{what}: up, pids {self.world.pids}" + (
-                f"; fresh since the last cell (their names are gone): ranks {fresh}"
-                if fresh and len(fresh) < len(self.world.pids) else "")
+            from ._placement_flags import placement_lines
+            fresh = self.world.fresh_ranks   # replaced: their names are gone
+            return (f"{what}: up, pids {self.world.pids}\n" + (
+                f"fresh since the last cell: ranks {fresh}\n" if fresh else "")
+                + placement_lines(self.world))
         if self.torn_down:
             return f"{what}: torn down ({self.torn_down}); the next %%ranks cell starts " \
                    "fresh ranks"
@@ -274,6 +290,10 @@ class _Ranks:
             value = getattr(args, key)
             if value is not None:
                 settings[key] = value
+        settings.update(_placement(args, "%ranks start"))
+        if "gpus" in settings and isinstance(settings["gpus"], list) \
+                and args.nprocs is None:
+            settings["nprocs"] = len(settings["gpus"])
         if args.env:
             env = {}
             for item in args.env:
@@ -332,6 +352,12 @@ class _Ranks:
             error = None
         if error is not None:
             raise error.with_traceback(None)  # the cell's line, not ours or ast's
+        placement = _placement(args, "%%ranks")
+        if any(self.settings.get(k) != v for k, v in placement.items()):
+            self.settings.update(placement)
+            if isinstance(placement.get("gpus"), list):
+                self.settings["nprocs"] = len(placement["gpus"])
+            self.stop(quiet=True)   # the next _run starts ranks placed so
         self._run(exec, (_Cell(filename, shown, 1, body), _MainNamespace()), args.timeout,
                   cell=True)
 
@@ -383,12 +409,11 @@ class _Ranks:
             return world.run(func, args, timeout=timeout)
         except (WorkerError, LaunchTimeout, MainProcessError) as err:
             failure = err
-        kept = bool(world.pids)
-        if not kept:
+        if not world.pids:
             self.torn_down = _why(failure)
         # Out of the except block, so that it carries no __context__ of ours. The error
         # below says why, and whether the world was kept.
-        raise _shown(failure, world.nprocs, cell, kept)
+        raise _shown(failure, world.nprocs, cell, bool(world.pids))
 
 
 def _why(err: BaseException) -> str:
@@ -401,8 +426,7 @@ def _why(err: BaseException) -> str:
     return type(err).__name__
 
 
-def _shown(err: BaseException, nprocs: int, cell: bool, kept: bool = False
-           ) -> BaseException:
+def _shown(err: BaseException, nprocs: int, cell: bool, kept=False) -> BaseException:
     """What the notebook shows for a failed run, without mplaunch's frames.
 
     A rank's exception raised by the cell's code is shown itself, as a failing cell
@@ -410,10 +434,9 @@ def _shown(err: BaseException, nprocs: int, cell: bool, kept: bool = False
     and saying the world is gone. Anything else (a rank killed by a signal, a timeout,
     an interrupt) is the WorkerError, LaunchTimeout or MainProcessError as launch raises
     it."""
-    after = (f"the world's {nprocs} ranks were torn down; the next %%ranks cell starts "
+    after = ((getattr(err, "healed", None) or "the world was kept") if kept else
+             f"the world's {nprocs} ranks were torn down; the next %%ranks cell starts "
              "fresh ones")
-    if kept:
-        after = getattr(err, "healed", None) or "the world was kept"
     cause = err.__cause__
     if cell and type(err) is WorkerError and isinstance(cause, Exception):
         others = len(err.failures) - 1

@@ -18,9 +18,10 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVa
 from ._engine import servers, signals
 from ._engine.attempt import Attempt
 from ._engine.config import LaunchConfig, check_call, seconds, validate, with_streams
-from ._engine.heal import CallDriver, consequences_last
+from ._engine.heal import CallDriver, consequences_last, replace_rank
 from ._engine.outcome import error_for, results_or_raise
 from ._engine.session import Session
+from ._rank import procgroup
 from ._rank.pgroup import RELEASE_SIGNAL, group_state, rebuild
 from ._wire import linux
 from ._wire.payload import dumps_payload
@@ -36,9 +37,7 @@ _open: "Set[World]" = set()
 
 
 def _setup_rank(backend: Optional[str]) -> None:
-    if backend:
-        import torch.distributed as dist
-        dist.init_process_group(backend)
+    procgroup.setup(backend)   # made already when the rank's spec named it
 
 
 class World:
@@ -48,36 +47,36 @@ class World:
     ``backend=``) the process group stay for the next ``run``.
 
     Takes the keyword arguments of :func:`mplaunch.launch` (``timeout`` applies to each
-    run). The ranks start at the first ``run`` (or ``start()``); with ``backend`` each
-    has called ``torch.distributed.init_process_group(backend)`` before it. A failing
-    run raises as ``launch`` does; with ``heal=True`` (the default) the world heals
-    where it can: a rank's exception, a collective left half-done, an interrupt or a
-    timeout keep the ranks and their state (the process group is rebuilt if it has
-    to be, and the error says so); what cannot be healed is torn down and the next
-    ``run`` starts fresh ranks, as always with ``heal=False``. ``restart()`` starts
-    fresh ranks on purpose. ``close()`` (or leaving the ``with``
+    run), ``gpus=`` and ``cpus=`` included. The ranks start at the first ``run`` (or
+    ``start()``); with ``backend`` each has called
+    ``torch.distributed.init_process_group(backend)`` before it (on CUDA, on its own
+    GPU: see :doc:`gpus`). A failing run raises as ``launch`` does; with ``heal=True``
+    (the default) the world heals where it can: a rank's exception, a collective left
+    half-done, an interrupt, a timeout or a dead rank keep the ranks and their state
+    (the process group is rebuilt and a dead rank replaced if need be, and the error
+    says so); what cannot be healed is torn down and the next ``run`` starts fresh
+    ranks, as always with ``heal=False``. ``restart()`` starts fresh ranks on purpose.
+    ``close()`` (or leaving the ``with``
     block) ends every process; a world left open is closed at interpreter exit.
     """
 
     __module__ = "mplaunch"
 
-    def __init__(self, nprocs: Any = 1, backend: Optional[str] = None, heal: bool = True,
-                 **options: Any):
+    def __init__(self, nprocs: Any = None, backend: Optional[str] = None,
+                 heal: bool = True, **options: Any):
         if "kwargs" in options:
             raise TypeError("World takes no kwargs=; pass them to run()")
         if not isinstance(heal, bool):
             raise TypeError(f"heal must be True (keep the ranks through a failed run) or "
                             f"False (tear them down), got {heal!r}")
         self.heal = heal
-        self.cfg: LaunchConfig = validate(_setup_rank, (backend,), nprocs, options)
+        self.cfg: LaunchConfig = validate(_setup_rank, (backend,), nprocs,
+                                          dict(options, backend=backend))
         if self.cfg.nnodes > 1:
             raise ValueError("a World runs on one node; for several nodes use launch()")
         if self.cfg.max_restarts:
             raise ValueError("a World does not restart on its own: after a failed run the "
                              "next run() starts fresh ranks; leave max_restarts at 0")
-        if backend is not None and not isinstance(backend, str):
-            raise TypeError(f"backend must be a str such as 'gloo' or 'nccl', or None, "
-                            f"got {backend!r}")
         self.backend = backend
         self._attempt: Optional[Attempt] = None
         self._stack: Optional[contextlib.ExitStack] = None
@@ -102,6 +101,14 @@ class World:
     @property
     def nprocs(self) -> int:
         return self.cfg.nprocs
+
+    def stacks(self):
+        """{rank: where it is now}, asked without stopping anything, from any thread
+        (while another runs ``run``): as :meth:`mplaunch.Handle.stacks`."""
+        from ._wire.stacks import RankStacks
+        from ._engine.timeouts import collect_stacks
+        attempt = self._attempt
+        return RankStacks(collect_stacks(attempt.group) if attempt is not None else {})
 
     def start(self) -> "World":
         """Start the ranks now (else the first run() does)."""
@@ -270,7 +277,7 @@ class World:
             # The fresh ranks first: a fork (start_method="fork") of this process while
             # its store serves the others' rendezvous could inherit a lock held.
             for i in dead:
-                group.replace(i, fd)
+                replace_rank(group, i, fd)
             group.call(fd, live)
         finally:
             servers.close_fd(fd)

@@ -188,6 +188,10 @@ def test_ranks_magic_in_a_kernel(kernel_config, tmp_path):
     out = _stream(cells["fresh"]).splitlines()
     assert sorted(out) == ["[rank0]: x defined: True", "[rank1]: x defined: True"], out
     assert _pids(_stream(cells["status"])) == first_pids, _stream(cells["status"])
+    # The world's line, then where each rank runs (test_magic_placement has the rest).
+    assert re.match(r"2 ranks, backend gloo: up, pids \{0: \d+, 1: \d+\}\n"
+                    r"  rank 0 \(pid \d+\): .*, CPUs .*\n  rank 1 \(pid \d+\): .*\n$",
+                    _stream(cells["status"])), _stream(cells["status"])
 
     # The stop button: KeyboardInterrupt in every rank's cell; the world stays.
     [error] = _errors(cells["interrupt"])

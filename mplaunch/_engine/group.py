@@ -24,7 +24,8 @@ from .ranks import RankState, drain_outputs
 from .signals import Waker
 from .._wire import linux
 from .._wire.channel import send_framed
-from .._wire.messages import CALL_TAG, RESULT_TAG, Raised, Returned
+from .._wire.memory import killed_why
+from .._wire.messages import CALL_TAG, EXIT_CHANNEL_CLOSED, RESULT_TAG, Raised, Returned
 from .._wire.payload import loads_result
 from .._wire.spec import RankSpec
 from ..errors import RankFailure, signal_name
@@ -59,14 +60,14 @@ class RankGroup:
         self.failures: List[RankFailure] = []
         self.teardown: Optional[Teardown] = None
         self.spawner = spawners.for_config(cfg, self)
+        # Held while another thread reads the ranks' stacks (_engine.timeouts): the
+        # ranks' fds stay open, fork-mode pids unreaped and channel sends whole meanwhile.
+        self.lock = self.spawner.lock
         self._by_pid: Dict[int, RankState] = {}
         self._sel = selectors.DefaultSelector()
         self._waker = waker
         self._closed = False
-        # A healing World's call: an error a rank sends is its answer, not a reason to
-        # tear down (_heal decides what follows). Local ranks that answered this call:
-        self.heal = False
-        self.answered: set = set()
+        self.heal, self.answered = False, set()   # a healing World's call: see fail()
 
     @property
     def running(self) -> bool:
@@ -109,9 +110,12 @@ class RankGroup:
         if self.teardown is not None:
             self._signal(self.teardown.signal, [r])
 
-    def exited(self, pid: int, status: int) -> None:
+    def exited(self, pid: int, status: int, max_rss: Optional[int] = None,
+               note: Optional[str] = None) -> None:
+        """`note`: what the kernel says of its death (the OOM killer), if anything."""
         r = self._by_pid.get(pid)
         if r is not None and r.alive:
+            r.max_rss, r.exit_note = max_rss, note
             self._on_exit(r, status)
 
     def start_failed(self, token: int, reason: str) -> None:
@@ -119,58 +123,33 @@ class RankGroup:
         r.status, r.pid = 1 << 8, -1
         self.fail(self._record(r, exitcode=1, message=f"could not start: {reason}"))
 
-    def server_lost(self) -> None:
-        """The server died, and every rank it started with it (parent-death signal)."""
-        for r in self.ranks:
-            if r.alive:
-                r.status = signal.SIGKILL
-                if r.pid is None:
-                    r.pid = -1
-                self.fail(self._record(
-                    r, exitcode=-signal.SIGKILL, signal="SIGKILL",
-                    message="was killed because mplaunch's server process died"))
+    def server_lost(self, pid: Optional[int], how: str) -> None:
+        """The server (`pid`) died (`how`: "was killed by SIGKILL"), and every rank it
+        started with it (parent-death signal)."""
+        dead = [r for r in self.ranks if r.alive]
+        who = f" (pid {pid})" if pid is not None else ""
+        first = (f"mplaunch's server process{who} {how}, and every rank was killed with "
+                 "it; the next launch starts a new server")
+        for r in dead:
+            r.status = signal.SIGKILL
+            if r.pid is None:
+                r.pid = -1
+            self.fail(self._record(
+                r, exitcode=-signal.SIGKILL, signal="SIGKILL",
+                message=first if r is dead[0] else "it died with mplaunch's server process"))
 
     # -- calls (a World's ranks stay up between them) ----------------------------------
     def call(self, payload_fd: int, ranks: Optional[Sequence[RankState]] = None) -> None:
         """Ask every rank (or these) to run the payload in `payload_fd` next; wait()
         until ``replied``."""
-        targets = self.ranks if ranks is None else ranks
-        for r in targets:
+        for r in self.ranks if ranks is None else ranks:
             self.answered.discard(r.local_rank)
             r.has_result, r.result = False, None
-        for r in targets:
             send_framed(r.reader.sock, CALL_TAG, [payload_fd])
-
-    def replace(self, local_rank: int, payload_fd: int) -> RankState:
-        """Start a fresh process for a dead rank, same spec; its first call is the
-        payload in `payload_fd`. The old one's output is relayed and its fds closed."""
-        old = self.ranks[local_rank]
-        for fd, relay in ((old.out_fd, old.out), (old.err_fd, old.err)):
-            while fd is not None and relay is not None:
-                chunk = read_pipe(fd)
-                if not chunk:
-                    break
-                relay.feed(chunk)
-        for fileobj in (old.reader.sock, old.out_fd, old.err_fd, old.stack_fd):
-            if fileobj is not None:
-                self._unregister(fileobj)
-        old.close()
-        new = RankState(self._specs[local_rank])
-        self.ranks[local_rank] = new
-        self.answered.discard(local_rank)
-        self._start_one(new, payload_fd)
-        while new.pid is None and new.alive:
-            self.spawner.pump()
-        return new
 
     @property
     def replied(self) -> bool:
         return all(r.has_result for r in self.ranks)
-
-    @property
-    def all_answered(self) -> bool:
-        """Every rank answered this call, with a result or an error."""
-        return len(self.answered) == len(self.ranks)
 
     def relay_written(self) -> None:
         """Relay all the ranks have written so far, a last line without its newline
@@ -221,12 +200,6 @@ class RankGroup:
             self._read_output(r.out_fd, r.out)
         elif kind == "err":
             self._read_output(r.err_fd, r.err)
-        elif kind == "stack":
-            chunk = read_pipe(r.stack_fd)
-            if chunk:
-                r.stack_text += chunk
-            elif chunk == b"":
-                self._unregister(r.stack_fd)
 
     def _on_wake(self, _fd) -> None:
         self._waker.drain()
@@ -249,7 +222,7 @@ class RankGroup:
                                  f"the parent could not unpickle rank {r.spec.rank}'s "
                                  f"return value: {exc}", None, 1, time.time())
                 if not self.stopping:
-                    self._answered_error(r, self._failure_from_error(r, r.error))
+                    self.fail(self._failure_from_error(r, r.error))
             return
         for fd in fds:
             os.close(fd)
@@ -261,14 +234,7 @@ class RankGroup:
             r.error = msg
             # An error raised after the teardown began is its consequence, not a cause.
             if self.teardown is None or msg.timestamp <= self.teardown.wall:
-                self._answered_error(r, self._failure_from_error(r, msg))
-
-    def _answered_error(self, r: RankState, failure: RankFailure) -> None:
-        if self.heal and r.spec.serve and not self.stopping:
-            self.failures.append(failure)   # the rank is alive and waits for a call
-            self.answered.add(r.local_rank)
-        else:
-            self.fail(failure)
+                self.fail(self._failure_from_error(r, msg))
 
     def _read_output(self, fd: int, relay: StreamRelay) -> None:
         chunk = read_pipe(fd)
@@ -291,7 +257,13 @@ class RankGroup:
         if r.has_result and exitcode == 0 and not r.spec.serve:
             return
         if signo is not None:
-            failure = self._record(r, exitcode=exitcode, signal=signal_name(signo))
+            failure = self._record(r, exitcode=exitcode, signal=signal_name(signo),
+                                   message=killed_why(signo, r.exit_note))
+        elif exitcode == EXIT_CHANNEL_CLOSED and not r.has_result:
+            failure = self._record(r, exitcode=exitcode, message=(
+                "closed its result channel before it returned, so its result or error "
+                "could not be sent (did it close file descriptors it did not open, e.g. "
+                "os.closerange(3, ...)?)"))
         elif r.spec.serve:
             failure = self._record(r, exitcode=exitcode, message=f"exited with code "
                                    f"{exitcode} while its World was up")
@@ -300,10 +272,11 @@ class RankGroup:
                                    "returning a result (did it call os._exit(0)?)")
         else:
             failure = self._record(r, exitcode=exitcode)
-        self._answered_error(r, failure)   # a healing World replaces it after the call
+        self.fail(failure)   # a healing World replaces it after the call
 
     def _record(self, r: RankState, **fields) -> RankFailure:
         fields.setdefault("timestamp", r.exited_at or time.time())
+        fields.setdefault("max_rss", r.max_rss)
         return RankFailure(r.spec.rank, r.pid, attempt=self.attempt,
                            local_rank=r.local_rank, node_rank=r.spec.node_rank,
                            hostname=r.spec.hostname, **fields)
@@ -314,9 +287,13 @@ class RankGroup:
                             timestamp=msg.timestamp)
 
     def fail(self, failure: RankFailure) -> None:
-        """Record a failure of this node and tear the group down."""
+        """Record a failure of this node and tear the group down; in a healing World's
+        call, a rank's failure is its answer instead (_engine.heal decides the rest)."""
         self.failures.append(failure)
-        self.stop(signal.SIGTERM)
+        if self.heal and not self.stopping and failure.local_rank is not None:
+            self.answered.add(failure.local_rank)
+        else:
+            self.stop(signal.SIGTERM)
 
     def node_failure(self, message: str) -> RankFailure:
         """A failure of this node as a whole (not of one rank's process), recorded
@@ -345,19 +322,12 @@ class RankGroup:
             self.teardown.kill_at = 0.0
 
     def send_signal(self, signo: int, ranks: Sequence[RankState]) -> None:
-        """Deliver `signo` to these ranks' processes (not their groups)."""
-        pids = [r.pid for r in ranks if r.signalable]
-        if pids:
-            self.spawner.signal_ranks(signo, pids)
-
-    def watch_stacks(self, ranks: Sequence[RankState]) -> None:
-        """Start collecting these ranks' stack dumps into their ``stack_text``."""
-        for r in ranks:
-            r.stack_text = b""   # a World's rank may be asked again at a later timeout
-            try:
-                self._sel.register(r.stack_fd, selectors.EVENT_READ, ("stack", r))
-            except KeyError:
-                pass             # still registered since then
+        """Deliver `signo` to these ranks' processes (not their groups). Any thread:
+        under the lock, a fork-mode rank is not reaped meanwhile, so its pid is its."""
+        with self.lock:
+            pids = [r.pid for r in ranks if r.signalable]
+            if pids:
+                self.spawner.signal_ranks(signo, pids)
 
     def _signal(self, signo: int, ranks) -> None:
         """`signo` to each rank's whole process group (its descendants too)."""
@@ -387,8 +357,9 @@ class RankGroup:
                     self._dispatch(key)
         self.spawner.sweep()
         drain_outputs(self.ranks, _DRAIN_WAIT)
-        for r in self.ranks:
-            r.close()
+        with self.lock:
+            for r in self.ranks:
+                r.close()
         self.spawner.close()
         # The spawner reports to us and we hold it: without this the pair (and every
         # result held by a rank's state) would live until the cycle collector runs.

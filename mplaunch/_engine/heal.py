@@ -25,12 +25,16 @@ rebuild) is the World's business.
 """
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 from typing import List, Optional
 
 from .attempt import Attempt
 from .ending import Ending, EndKind
+from .group import RankGroup
+from .output import read_pipe
+from .ranks import RankState
 from .timeouts import collect_stacks
 
 SETTLE = 0.1          # a rank in Python code answers an interrupt within milliseconds
@@ -64,9 +68,9 @@ class CallDriver:
         grace = attempt.cfg.grace_period
         timeout = attempt.cfg.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        while group.running and not group.stopping and not group.all_answered:
+        while group.running and not group.stopping and not _all_answered(group):
             group.wait(self._wait(deadline, grace))
-            if group.stopping or group.all_answered:
+            if group.stopping or _all_answered(group):
                 break
             now = time.monotonic()
             if self._take_signals():
@@ -168,3 +172,35 @@ def consequences_last(failures) -> None:
 
 def _lost_peer(f) -> bool:
     return f.exc_type == "RuntimeError" and any(s in (f.message or "") for s in _LOST_PEER)
+
+
+def _all_answered(group: RankGroup) -> bool:
+    """Every rank answered this call, with a result or an error (or by dying)."""
+    return len(group.answered) == len(group.ranks)
+
+
+def replace_rank(group: RankGroup, local_rank: int, payload_fd: int) -> RankState:
+    """Start a fresh process for a dead rank of `group`, same spec; its first call is
+    the payload in `payload_fd`. The old one's output is relayed and its fds closed.
+    (The group's own starting machinery, used from here: only a healing World replaces
+    a rank.)"""
+    old = group.ranks[local_rank]
+    for fd, relay in ((old.out_fd, old.out), (old.err_fd, old.err)):
+        while fd is not None and relay is not None:
+            chunk = read_pipe(fd)
+            if not chunk:
+                break
+            relay.feed(chunk)
+    for fileobj in (old.reader.sock, old.out_fd, old.err_fd, old.stack_fd):
+        if fileobj is not None:
+            group._unregister(fileobj)
+    old.close()
+    # Its group comes from its first call (a rebuild in key space n with the others),
+    # not from the set-up that a spec's backend asks for (key space 0).
+    new = RankState(dataclasses.replace(group._specs[local_rank], backend=None))
+    group.ranks[local_rank] = new
+    group.answered.discard(local_rank)
+    group._start_one(new, payload_fd)
+    while new.pid is None and new.alive:
+        group.spawner.pump()
+    return new

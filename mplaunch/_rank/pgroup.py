@@ -228,7 +228,8 @@ def rebuild(backend: Optional[str], n: int) -> List[str]:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group still goes
             pass
-    dist.init_process_group(backend)
+    from . import procgroup
+    procgroup.setup(backend)   # as the World's first one was made (its GPU on CUDA)
     return stale
 
 
