@@ -512,3 +512,8 @@ def test_sigterm_sighup_sigquit_still_end_a_healing_world(tmp_path, signame):
         finally:
             t.join()
         assert info.value.signal_name == signame and world.pids == {}
+
+
+def test_heal_must_be_a_bool_before_anything_starts():
+    with pytest.raises(TypeError, match="heal must be True"):
+        mplaunch.World(2, heal="yes")
