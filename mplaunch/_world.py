@@ -22,7 +22,8 @@ from ._engine.heal import CallDriver, consequences_last, replace_rank
 from ._engine.outcome import error_for, results_or_raise
 from ._engine.session import Session
 from ._rank import procgroup
-from ._rank.pgroup import RELEASE_SIGNAL, group_state, rebuild
+from ._rank.pgroup import group_state, rebuild
+from ._wire.messages import RELEASE_SIGNAL
 from ._wire import linux
 from ._wire.payload import dumps_payload
 from .errors import MainProcessError

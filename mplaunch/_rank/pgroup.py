@@ -26,7 +26,8 @@ import sys
 import threading
 from typing import Dict, List, Optional, Set, Tuple
 
-RELEASE_SIGNAL = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else None
+from .._wire.messages import RELEASE_SIGNAL
+
 
 _incarnation = 0
 _backend: Optional[str] = None     # the backend of the last group built through our hook
