@@ -1,6 +1,6 @@
 """What healing costs and saves (issue 19), side by side in one run.
 
-    python bench/heal.py              # a few minutes on 2 cores
+    python bench/heal.py              # under a minute on 2 cores
     python bench/heal.py --quick      # fewer repeats
     python bench/heal.py --json out.json
 
