@@ -27,6 +27,7 @@ from ._signals import Waker
 from .errors import RankFailure, signal_name
 
 _DRAIN_WAIT = 2.0      # how long output pipes may stay open after every rank is gone
+_MAX_SELECT = 86400.0
 _EXIT_WAIT = 10.0      # how long close() waits for SIGKILLed ranks to be reaped
 
 
@@ -149,6 +150,10 @@ class RankGroup:
         if self.kill_deadline is not None and not self.killed:
             left = max(0.0, self.kill_deadline - time.monotonic())
             timeout = left if timeout is None else min(timeout, left)
+        if timeout is not None:
+            # epoll takes at most ~24 days (an int of ms); callers loop until their
+            # deadline, so a longer limit is waited out in slices.
+            timeout = min(timeout, _MAX_SELECT)
         for key, _ in self._sel.select(timeout):
             self._dispatch(key)
         if (self.kill_deadline is not None and not self.killed

@@ -40,6 +40,7 @@ def _close_parent_only_fds_in_child() -> None:
             pass
     _parent_only_fds.clear()
     _servers.clear()
+    _adoption["ranks"] = 0     # the forked ranks are this process's parent's
 
 
 os.register_at_fork(after_in_child=_close_parent_only_fds_in_child)
@@ -80,11 +81,14 @@ class ServerHandle:
         _parent_only_socks.add(ours)
         code = _sys.entry_code("_server", "main")
         try:
+            # The server lives in "/": a warm server must not hold the caller's working
+            # directory (which may be deleted, and torch cannot even be imported in a
+            # deleted one) nor keep its file system busy. Each rank changes to its own.
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", code, str(theirs.fileno()), ",".join(preload),
-                 json.dumps(sys.path)],
+                 json.dumps(_absolute_path(sys.path))],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                start_new_session=True)
+                start_new_session=True, cwd="/")
         finally:
             theirs.close()
         self.lifeline = ours
@@ -148,6 +152,16 @@ class ServerHandle:
             self.proc.wait()
 
 
+def _absolute_path(path: list) -> list:
+    """sys.path with "" (the working directory) and relative entries made absolute, for
+    an interpreter that starts elsewhere."""
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        return [p for p in path if os.path.isabs(p)]
+    return [os.path.join(cwd, p) if not os.path.isabs(p) else p for p in path]
+
+
 def get_server(preload: tuple) -> ServerHandle:
     """The warm server for `preload`, started if needed. It may still be importing its
     preloads: open_channel() waits for it, so callers can do other work meanwhile."""
@@ -207,12 +221,70 @@ def cuda_initialized() -> bool:
         return False
 
 
+# start_method="fork" has no server to be the subreaper of what its ranks start: a
+# daemon (double fork + setsid) would be re-parented to pid 1 and outlive the launch. So
+# each forked rank is a subreaper (it kills its adopted orphans when it exits), and
+# while any forked rank lives this process is one too (for the orphans of a rank that
+# was killed), restored after. Adopted orphans are killed and reaped by pid once the
+# last forked rank is gone; the user's own children are never waited for.
+_adoption = {"ranks": 0, "previous": 0, "before": frozenset()}
+
+
+def _adopt_begin() -> None:
+    with _lock:
+        if _adoption["ranks"] == 0:
+            _adoption["previous"] = _sys.get_child_subreaper()
+            _adoption["before"] = frozenset(_sys.children_of(os.getpid()))
+            _sys.set_child_subreaper()
+        _adoption["ranks"] += 1
+
+
+def _adopt_end() -> None:
+    with _lock:
+        _adoption["ranks"] -= 1
+        if _adoption["ranks"] > 0:
+            return
+        try:
+            kill_adopted_orphans(_adoption["before"])
+        finally:
+            _sys.restore_child_subreaper(_adoption["previous"])
+
+
+def adopted_orphans(before) -> list:
+    """Children of this process that a forked rank's descendants left to it: new since
+    the first forked rank started, not a warm server, and not in this process's group
+    (a rank leads a group of its own, a daemon a session; what this process starts
+    itself is in its group unless asked otherwise)."""
+    me, group = os.getpid(), os.getpgid(0)
+    servers = {s.pid for s in _servers.values()}
+    return [pid for pid in _sys.children_of(me)
+            if pid not in before and pid not in servers and _sys.pgid_of(pid) != group]
+
+
+def kill_adopted_orphans(before) -> int:
+    orphans = adopted_orphans(before)
+    for pid in orphans:
+        _sys.kill_quiet(pid, 9)
+    for pid in orphans:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    return len(orphans)
+
+
 def fork_rank(spec, fdmap: dict) -> int:
     """start_method="fork": the rank is a fork of this process. Returns its pid."""
     parent = os.getpid()
-    pid = os.fork()
+    _adopt_begin()
+    try:
+        pid = os.fork()
+    except BaseException:
+        _adopt_end()
+        raise
     if pid == 0:
         try:
+            _sys.set_child_subreaper()
             from ._worker import run_rank
             run_rank(spec, fdmap, parent)
         finally:
@@ -233,14 +305,18 @@ def reap_forked(pid: int):
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
+        _adopt_end()
         return 0
     if info is None:
         return None
-    members = _sys.group_members(pid)
-    _sys.killpg_quiet(pid, 9)
-    _sys.wait_dead(members, timeout=2.0)
     try:
-        _, status = os.waitpid(pid, 0)
-    except ChildProcessError:
-        return 0
-    return status
+        members = _sys.group_members(pid)
+        _sys.killpg_quiet(pid, 9)
+        _sys.wait_dead(members, timeout=2.0)
+        try:
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:
+            return 0
+        return status
+    finally:
+        _adopt_end()

@@ -254,9 +254,15 @@ def _send_exception(sock, exc: BaseException, exitcode: int, show: bool = True,
     blob, type_name, message, tb_text = pack_exception(exc)
     if hint:
         message = f"{message}\n{hint}"
-    if show:
-        sys.stderr.write(tb_text)
+    # Sent first: writing to stderr can fail (sys.stderr is None in daemonised code, fd
+    # 2 may be closed) or block, and the exception must travel whatever it does.
     _send(sock, ("err", blob, type_name, message, tb_text, exitcode, time.time()))
+    if show:
+        try:
+            sys.stderr.write(tb_text)
+            sys.stderr.flush()
+        except BaseException:  # noqa: BLE001 - it was sent; the copy on stderr is extra
+            pass
 
 
 def _flush_streams() -> None:
@@ -276,6 +282,8 @@ def _run_script(target: str, kind: str):
     """Run a script (kind 'path') or module (kind 'module') as __main__, as `python
     script.py` would."""
     import runpy
+    from ._rankmain import guard_script_children
+    guard_script_children()   # its DataLoader workers must not run it again
     if kind == "module":
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:

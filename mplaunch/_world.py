@@ -11,11 +11,13 @@ import atexit
 import contextlib
 import logging
 import sys
+import threading
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVar
 
 from . import _procs, _signals, _store, _sys
 from ._attempt import Attempt
-from ._config import LaunchConfig, check_call, rank_specs, seconds, validate, with_streams
+from ._config import (LaunchConfig, check_backend, check_call, rank_specs, seconds,
+                      validate, with_streams)
 from ._outcome import results_or_raise
 from ._serialize import dumps_payload
 
@@ -53,20 +55,22 @@ class World:
     def __init__(self, nprocs: Any = 1, backend: Optional[str] = None, **options: Any):
         if "kwargs" in options:
             raise TypeError("World takes no kwargs=; pass them to run()")
+        check_backend(backend)
         self.cfg: LaunchConfig = validate(_setup_rank, (backend,), nprocs, options)
         if self.cfg.nnodes > 1:
             raise ValueError("a World runs on one node; for several nodes use launch()")
         if self.cfg.max_restarts:
             raise ValueError("a World does not restart on its own: after a failed run the "
                              "next run() starts fresh ranks; leave max_restarts at 0")
-        if backend is not None and not isinstance(backend, str):
-            raise TypeError(f"backend must be a str such as 'gloo' or 'nccl', or None, "
-                            f"got {backend!r}")
         self.backend = backend
         self._attempt: Optional[Attempt] = None
         self._stack: Optional[contextlib.ExitStack] = None
         self._generation = 0       # how many times ranks were started
         self._closed = False
+        # One call at a time: a call's replies are read from the ranks' sockets in the
+        # order they come, and two callers would take each other's (and register the
+        # same fds twice with the selector). A second thread's run() waits its turn.
+        self._lock = threading.RLock()
         _open.add(self)
 
     # -- public ----------------------------------------------------------------------
@@ -81,10 +85,11 @@ class World:
 
     def start(self) -> "World":
         """Start the ranks now (else the first run() does)."""
-        if self._closed:
-            raise RuntimeError("this World is closed; make a new one")
-        if self._attempt is None:
-            self._start()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this World is closed; make a new one")
+            if self._attempt is None:
+                self._start()
         return self
 
     def run(self, func: Callable[..., T], args: Sequence[Any] = (),
@@ -97,19 +102,30 @@ class World:
         check_call(func, args, kwargs)
         timeout = seconds("timeout", timeout, optional=True)
         payload = dumps_payload(func, args, kwargs or {})
-        self.start()
-        return self._call(payload, timeout)
+        with self._lock:
+            self.start()
+            return self._call(payload, timeout)
 
     def restart(self) -> "World":
         """End the ranks and start fresh ones."""
-        self._stop()
-        return self.start()
+        with self._lock:
+            self._stop()
+            return self.start()
 
     def close(self) -> None:
-        """End every rank and release the store's port. Idempotent."""
+        """End every rank and release the store's port. Idempotent; from another thread
+        it ends the call in progress there (which raises) instead of waiting for it."""
         self._closed = True
         _open.discard(self)
-        self._stop()
+        if not self._lock.acquire(blocking=False):
+            attempt = self._attempt
+            if attempt is not None:
+                attempt.request_stop()  # the running call tears down and raises
+            self._lock.acquire()
+        try:
+            self._stop()
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> "World":
         return self
