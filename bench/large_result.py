@@ -7,7 +7,8 @@ mplaunch.launch and once through torch.multiprocessing.spawn sending it back on 
 queue (what one writes without mplaunch). Each measure runs in a fresh interpreter:
 the peak resident memory of the launching process is read from /proc (VmHWM, reset
 just before the launch through /proc/self/clear_refs), so it counts the launch alone.
-The rank building the value is included in both timings alike.
+The rank building the value is included in both timings alike; the time is from the
+call to its return, the peak is read after every page of the result was read once.
 """
 from __future__ import annotations
 
@@ -31,8 +32,17 @@ def make(kind, nbytes):
     return torch.full((nbytes // 4,), 3.0)
 
 
-def _tmp_rank(index, queue, kind, nbytes):
+def _tmp_rank(index, queue, ack, kind, nbytes):
     queue.put(make(kind, nbytes))
+    ack.get()   # a tensor's shared memory is only received while its sender lives
+
+
+def touch(value):
+    """Read every page of the result, as using it would (a mapped result costs memory
+    only once its pages are read)."""
+    if isinstance(value, bytes):
+        return value.count(b"\x07")
+    return float(value.sum())
 
 
 def _status(field):
@@ -59,10 +69,14 @@ def measure(launcher, kind, nbytes):
     else:
         import torch.multiprocessing as tmp
         queue = tmp.get_context("spawn").SimpleQueue()
-        ctx = tmp.spawn(_tmp_rank, args=(queue, kind, nbytes), nprocs=1, join=False)
+        ack = tmp.get_context("spawn").SimpleQueue()
+        ctx = tmp.spawn(_tmp_rank, args=(queue, ack, kind, nbytes), nprocs=1,
+                        join=False)
         value = queue.get()
+        ack.put(1)
         ctx.join()
     seconds = time.perf_counter() - t0
+    touch(value)
     peak = _status("VmHWM")
     assert len(value) == nbytes // {"bytes": 1, "numpy": 8, "tensor": 4}[kind]
     return {"seconds": seconds, "peak": peak, "before": before}

@@ -348,8 +348,8 @@ def seconds(name: str, value, optional: bool = False):
     if (not isinstance(value, numbers.Real) or isinstance(value, bool)
             or value != value or value < 0 or (optional and value == 0)
             or (not optional and math.isinf(value))):
-        allowed = ("a number of seconds > 0, or None or inf for no limit" if optional
-                   else "a finite number of seconds >= 0")
+        allowed = ("a number of seconds > 0, or None for no limit (inf too)" if optional
+                   else "a number of seconds >= 0, and finite")
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
     if optional and math.isinf(value):
         return None
