@@ -258,7 +258,7 @@ def _helper_pids():
     if rt is not None and getattr(rt, "_pid", None):
         pids.add(rt._pid)
     # mplaunch's warm servers persist across launches by design, like the forkserver.
-    procs = sys.modules.get("mplaunch._procs")
+    procs = sys.modules.get("mplaunch._engine.servers")
     if procs is not None:
         pids.update(procs.server_pids())
         pids.update(procs.idle_pool_pids())

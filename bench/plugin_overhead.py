@@ -122,7 +122,8 @@ def _noop():
 def direct_launch(n: int, nprocs: int) -> float:
     """Median seconds of a warm mplaunch.launch of an empty function."""
     import mplaunch
-    from mplaunch import _procs, pytest_plugin
+    from mplaunch import pytest_plugin
+    from mplaunch._engine import servers as _procs
     preload = pytest_plugin._preload_for(None)
     try:
         mplaunch.launch(_noop, nprocs=nprocs, preload=preload)  # warm the server

@@ -26,7 +26,7 @@ import psutil  # noqa: E402
 
 import baselines  # noqa: E402  (imports torch, as a user's training script would)
 import mplaunch  # noqa: E402
-from mplaunch import _procs  # noqa: E402
+from mplaunch._engine import servers as _procs  # noqa: E402
 
 CASES = ["gloo4", "trivial2", "fail_teardown"]
 CASE_TITLES = {

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import baselines  # noqa: E402  (imports torch, as a user's script would)
 import _cases  # noqa: E402
 import mplaunch  # noqa: E402
-from mplaunch import _procs  # noqa: E402
+from mplaunch._engine import servers as _procs  # noqa: E402
 
 NPROCS = 4
 SLEEP = 60.0  # the ranks of part 2 sleep; each launch is stopped long before

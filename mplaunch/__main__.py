@@ -1,7 +1,7 @@
 """`python -m mplaunch` and the `mplaunch` command; see `mplaunch --help`."""
 import sys
 
-from ._cli import main
+from ._cli.main import main
 
 __all__ = ["main"]
 

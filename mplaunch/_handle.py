@@ -12,10 +12,10 @@ import threading
 import weakref
 from typing import Any, Callable, Dict, Generic, List, Optional, TypeVar
 
-from . import _signals
-from ._config import validate
+from ._engine import signals
+from ._engine.config import validate
 from ._launch import Run
-from ._serialize import dumps_payload
+from ._wire.payload import dumps_payload
 
 T = TypeVar("T")
 
@@ -70,7 +70,7 @@ class Handle(Generic[T]):
         the ranks, as during launch()."""
         if self._finished.is_set():
             return True
-        with _signals.forwarding(self._run.on_signal, warn=False):
+        with signals.forwarding(self._run.on_signal, warn=False):
             return self._finished.wait(timeout)
 
     def result(self, timeout: Optional[float] = None) -> List[T]:

@@ -1,19 +1,13 @@
-"""launch(): validate, pickle once, host the store, run attempts (restarting on failure
-up to max_restarts), return the results or raise."""
+"""launch(): validate the arguments, pickle the function once, and drive a Run (the
+store, the attempts, the restarts: _engine.run) to its results or its error."""
 from __future__ import annotations
 
-import os
-import threading
-from typing import (Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence,
-                    TypeVar, Union)
+from typing import (Any, Callable, Iterable, List, Mapping, Optional, Sequence, TypeVar,
+                    Union)
 
-from . import _procs, _signals, _store, _sys
-from ._attempt import Attempt
-from ._config import DEFAULT_PREFIX, OPTION_DEFAULTS, LaunchConfig, Script, rank_specs, validate
-from ._nodes import NodeWatch
-from ._outcome import results_or_raise
-from ._serialize import dumps_payload
-from .errors import WorkerError
+from ._engine.config import DEFAULT_PREFIX, OPTION_DEFAULTS, Script, validate
+from ._engine.run import Run
+from ._wire.payload import dumps_payload
 
 T = TypeVar("T")
 
@@ -130,88 +124,3 @@ def run(func: Callable[..., Any], args: Any, nprocs: Any, options: Mapping[str, 
     payload = b"" if script is not None else dumps_payload(func, args,
                                                            options.get("kwargs") or {})
     return Run(cfg, payload).drive()
-
-
-class Run:
-    """One launch from its first rank to its outcome: the payload, the store, and the
-    attempts. Signals to this process are forwarded to the current attempt."""
-
-    def __init__(self, cfg: LaunchConfig, payload: bytes, forward_signals: bool = True):
-        self.cfg = cfg
-        self.payload = payload
-        self.forward_signals = forward_signals  # else the caller forwards (Handle.wait)
-        self.attempt: Optional[Attempt] = None
-        self.stop_asked = False
-        self.stop_grace: Optional[float] = None
-        self.started = threading.Event()   # the first attempt's ranks all have pids
-        self.waker = _signals.Waker()
-        self._pids: Dict[int, int] = {}
-
-    @property
-    def pids(self) -> Dict[int, int]:
-        """{rank: pid} of the current (else the last) attempt's ranks."""
-        attempt = self.attempt
-        return attempt.group.pids if attempt is not None else dict(self._pids)
-
-    def stop(self, grace_period: Optional[float] = None) -> None:
-        """From any thread: end the current attempt as on a failure, and start no
-        other."""
-        self.stop_grace, self.stop_asked = grace_period, True
-        attempt = self.attempt
-        if attempt is not None:
-            attempt.request_stop(grace_period)
-
-    def on_signal(self, signo: int) -> None:
-        """From a signal handler or another thread: the current attempt stops."""
-        attempt = self.attempt
-        if attempt is not None:
-            attempt.on_signal(signo)
-
-    def drive(self) -> List[Any]:
-        """Run attempts until one succeeds or max_restarts is spent."""
-        cfg = self.cfg
-        payload_fd = _sys.memfd_with(self.payload, "mplaunch-payload")
-        for fd in (self.waker.r, self.waker.w):
-            _procs.own_fd(fd)
-        _procs.get_server(cfg.server_preload)  # a cold one imports torch meanwhile
-        previous: list = []
-        try:
-            with _store.hosted(cfg) as hosted:
-                for number in range(cfg.max_restarts + 1):
-                    try:
-                        return self._attempt(number, payload_fd, hosted)
-                    except WorkerError as err:
-                        if number >= cfg.max_restarts or self.stop_asked:
-                            if previous:
-                                err.previous_attempts = previous + err.previous_attempts
-                                err.args = (err._message(),)
-                            raise
-                        previous.append(err.failures)
-        finally:
-            os.close(payload_fd)
-            for fd in (self.waker.r, self.waker.w):
-                _procs.disown_fd(fd)
-            self.waker.close()
-
-    def _attempt(self, number: int, payload_fd: int, hosted) -> List[Any]:
-        cfg = self.cfg
-        # A cold server is still importing torch: that time is not the ranks' to lose
-        # (the attempt's timeout starts after this).
-        _procs.get_server(cfg.server_preload).wait_ready()
-        watch = (NodeWatch(hosted.store, number, cfg.node_rank, cfg.nnodes)
-                 if cfg.nnodes > 1 else None)
-        attempt = Attempt(cfg, number, rank_specs(cfg, number, hosted.port, hosted.address),
-                          payload_fd, self.waker, watch)
-        self.attempt = attempt
-        if self.stop_asked:
-            attempt.request_stop(self.stop_grace)
-        try:
-            if self.forward_signals:
-                with _signals.forwarding(self.on_signal):
-                    attempt.run(self.started.set)
-            else:
-                attempt.run(self.started.set)
-        finally:
-            self._pids = attempt.group.pids
-            self.attempt = None
-        return results_or_raise(attempt)

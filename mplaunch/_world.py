@@ -1,6 +1,6 @@
 """mplaunch.World: ranks that stay up between calls, for notebooks and test suites.
 
-A World is one Attempt whose ranks serve calls (_serve) instead of running one function
+A World is one Attempt whose ranks serve calls (_rank.serve) instead of running one function
 and exiting. Each run() is a call driven to its replies by the same loop launch() uses,
 so failures, timeouts, signals, output and teardown behave as for launch(). A run that
 fails tears the world down; the next run starts fresh ranks.
@@ -14,12 +14,14 @@ import sys
 import threading
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVar
 
-from . import _procs, _signals, _store, _sys
-from ._attempt import Attempt
-from ._config import (LaunchConfig, check_backend, check_call, rank_specs, seconds,
-                      validate, with_streams)
-from ._outcome import results_or_raise
-from ._serialize import dumps_payload
+from ._engine import servers, signals
+from ._engine.attempt import Attempt
+from ._engine.config import (LaunchConfig, check_backend, check_call, seconds, validate,
+                             with_streams)
+from ._engine.outcome import results_or_raise
+from ._engine.session import Session
+from ._wire import linux
+from ._wire.payload import dumps_payload
 
 log = logging.getLogger("mplaunch")
 T = TypeVar("T")
@@ -143,19 +145,13 @@ class World:
         cfg = with_streams(self.cfg)
         stack = contextlib.ExitStack()
         try:
-            hosted = stack.enter_context(_store.hosted(cfg))
-            waker = _signals.Waker()
-            stack.callback(waker.close)
-            for fd in (waker.r, waker.w):
-                _procs.own_fd(fd)
-                stack.callback(_procs.disown_fd, fd)
-            setup = _sys.memfd_with(dumps_payload(_setup_rank, (self.backend,), {}),
-                                    "mplaunch-payload")
-            stack.callback(_procs.close_fd, setup)
-            _procs.get_server(cfg.server_preload).wait_ready()
-            specs = rank_specs(cfg, self._generation, hosted.port, hosted.address,
-                               serve=True)
-            attempt = Attempt(cfg, self._generation, specs, setup, waker)
+            # The first "call" is the set-up (init_process_group): the ranks start from it.
+            session = stack.enter_context(
+                Session(cfg, dumps_payload(_setup_rank, (self.backend,), {})))
+            session.wait_server()
+            attempt = Attempt(cfg, self._generation, session.specs(self._generation,
+                                                                   serve=True),
+                              session.payload_fd, session.waker)
             self._generation += 1
             stack.callback(attempt.group.close)
             attempt.group.start()
@@ -168,19 +164,19 @@ class World:
     def _call(self, payload: bytes, timeout: Optional[float]) -> list:
         attempt = self._attempt
         attempt.group.relay_to(sys.stdout, sys.stderr)
-        fd = _sys.memfd_with(payload, "mplaunch-payload")
+        fd = linux.memfd_with(payload, "mplaunch-payload")
         try:
             attempt.group.call(fd)
         except OSError:
             pass  # a rank is gone: the loop below finds out which, and why
         finally:
-            _procs.close_fd(fd)
+            servers.close_fd(fd)
         return self._wait_replies(attempt, timeout)
 
     def _wait_replies(self, attempt: Attempt, timeout: Optional[float]) -> list:
         group = attempt.group
         try:
-            with _signals.forwarding(attempt.on_signal, warn=False):
+            with signals.forwarding(attempt.on_signal, warn=False):
                 attempt.drive(until=lambda: group.replied and not group.stopping,
                               timeout=timeout)
         except BaseException:
@@ -203,7 +199,7 @@ class World:
             attempt.group.stop()
             attempt.drive()          # SIGTERM, then SIGKILL after the grace period
         finally:
-            stack.close()            # the group, the setup memfd, the waker, the store
+            stack.close()            # the group, then the session
 
 
 @atexit.register

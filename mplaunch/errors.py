@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal as _signal
 from typing import Dict, List, Optional
 
-from . import _stacks
+from ._wire import stacks as _stacks
 
 __all__ = [
     "MPLaunchError",

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from mplaunch import _procs
+from mplaunch._engine import servers as _procs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:

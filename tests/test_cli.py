@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from mplaunch import RankFailure
-from mplaunch import _cli, _cli_report, _cli_targets
+from mplaunch._cli import main as _cli, report as _cli_report, targets as _cli_targets
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts_cli")

@@ -14,7 +14,8 @@ import zipfile
 import pytest
 
 import mplaunch
-from mplaunch import RankFailure, WorkerError, _cli, _cli_report
+from mplaunch import RankFailure, WorkerError
+from mplaunch._cli import main as _cli, report as _cli_report
 from test_cli import BARE, SCRIPTS, _env, explain, records, run_cli, summary
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(mplaunch.__file__)))
@@ -172,7 +173,7 @@ def test_torchrun_flags_map_onto_options(argv, expected):
 
 
 def test_nproc_per_node_counts():
-    from mplaunch._env import cpu_count
+    from mplaunch._engine.env import cpu_count
     assert _parse(["--nproc-per-node", "cpu", "t.py"]).nprocs == cpu_count()
     assert _parse(["--nproc_per_node", "auto", "t.py"]).nprocs >= 1
 

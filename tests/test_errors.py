@@ -17,7 +17,7 @@ import cloudpickle
 import pytest
 
 import mplaunch
-from mplaunch import _exceptions
+from mplaunch._wire import exceptions as _exceptions
 from mplaunch.errors import signal_name
 
 # Nothing here needs torch but the launches, which skip without it: these run under

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 import mplaunch
-from mplaunch import _procs
+from mplaunch._engine import servers as _procs
 
 PRELOAD_DIR = os.path.join(os.path.dirname(__file__), "scripts_preload")
 

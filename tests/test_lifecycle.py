@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 import mplaunch
-from mplaunch import _procs
+from mplaunch._engine import servers as _procs
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 if SCRIPTS not in sys.path:

@@ -20,8 +20,8 @@ import time
 import pytest
 
 import mplaunch
-from mplaunch._output import StreamRelay
-from mplaunch._tails import summarize_tail
+from mplaunch._engine.output import StreamRelay
+from mplaunch._engine.tails import summarize_tail
 
 PREFIX_RE = re.compile(r"^\[rank(\d+)\]: ")
 
@@ -394,7 +394,7 @@ def test_prefix_template_and_no_prefix(capsys):
 def test_prefix_fields_of_a_second_node():
     # local_rank and rank differ only beyond node 0; the relay's prefix is the
     # template filled with each rank's prefix.
-    from mplaunch._config import rank_specs, validate
+    from mplaunch._engine.config import rank_specs, validate
     cfg = validate(say_hello, (), 2, dict(master_addr="127.0.0.1", master_port=29500,
                                           preload=(), nnodes=2, node_rank=1,
                                           prefix="{rank}/{local_rank}/{node_rank}@{host}: "))
@@ -517,7 +517,7 @@ def test_segfault_tail_shows_the_lines_before_and_the_crashing_frames(tmp_path):
         f"before the crash {i}" for i in range(5)]
     assert "Fatal Python error: Segmentation fault" in tail
     assert "40 other thread(s)" in tail
-    assert "_worker.py" not in tail  # mplaunch's own frames say nothing
+    assert "_rank/worker.py" not in tail  # mplaunch's own frames say nothing
     current = lines.index(next(line for line in lines if line.startswith("Current thread")))
     frames = "\n".join(lines[current:current + 6])
     assert "in string_at" in frames and "in crash_here" in frames

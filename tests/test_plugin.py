@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from mplaunch import pytest_plugin
+from mplaunch import _pytest_run as pytest_plugin
 from mplaunch.errors import RankFailure, WorkerError
 
 INNER_TIMEOUT = 150  # the whole inner session; the outer test has 180 s

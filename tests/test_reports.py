@@ -16,7 +16,7 @@ import cloudpickle
 import pytest
 
 import mplaunch
-from mplaunch import _exceptions
+from mplaunch._wire import exceptions as _exceptions
 
 no_torch = pytest.mark.no_torch
 
@@ -41,7 +41,7 @@ _CHAINED = '''
 import pickle
 import sys
 
-from mplaunch._exceptions import pack_exception
+from mplaunch._wire.exceptions import pack_exception
 
 
 def inner(x):
@@ -195,7 +195,7 @@ _DUMPER = '''
 import faulthandler
 import sys
 
-from mplaunch._exceptions import _rebuild_exception
+from mplaunch._wire.exceptions import _rebuild_exception
 
 
 def waits_here():
@@ -215,12 +215,12 @@ step()
 @no_torch
 def test_launch_timeout_stacks_are_the_readable_text_of_the_message(tmp_path):
     raw = _run_child(tmp_path, _DUMPER).decode()
-    assert "_exceptions.py" in raw  # a real dump, with one of mplaunch's frames in it
+    assert "mplaunch/_wire/exceptions.py" in raw  # a real dump, with one of mplaunch's frames in it
     failure = mplaunch.RankFailure(0, message="was still running after 2 s")
     err = mplaunch.LaunchTimeout([failure], 2.0, {0: raw, 1: ""})
     assert err.raw_stacks == {0: raw, 1: ""}
     stack = err.stacks[0]
-    assert "_exceptions.py" not in stack and "Current thread" not in stack
+    assert "exceptions.py" not in stack and "Current thread" not in stack
     child = tmp_path / "child.py"
     assert stack.splitlines() == [
         f'  File "{child}", line {_line_of(_DUMPER, "step()")}, in <module>', "    step()",

@@ -393,7 +393,7 @@ def terminal():
 
 
 def test_lines_go_above_a_drawn_bar_and_a_waiting_bar_is_drawn_next(terminal):
-    from mplaunch._output import StreamRelay
+    from mplaunch._engine.output import StreamRelay
     r0 = StreamRelay(terminal, "[0]: ")
     r1 = StreamRelay(terminal, "[1]: ")
     assert r0.is_terminal and r1.is_terminal
@@ -414,7 +414,7 @@ def test_lines_go_above_a_drawn_bar_and_a_waiting_bar_is_drawn_next(terminal):
 
 
 def test_a_prompt_shows_at_once_and_its_answer_continues_it(terminal):
-    from mplaunch._output import StreamRelay
+    from mplaunch._engine.output import StreamRelay
     r0 = StreamRelay(terminal, "[0]: ")
     r1 = StreamRelay(terminal, "[1]: ")
     r0.show_prompts()  # rank 0 reads the terminal
@@ -437,7 +437,7 @@ def test_a_prompt_shows_at_once_and_its_answer_continues_it(terminal):
 def test_a_sink_that_is_no_terminal_gets_no_erasing_and_no_prompts():
     import io
 
-    from mplaunch._output import StreamRelay
+    from mplaunch._engine.output import StreamRelay
     sink = io.StringIO()
     r0 = StreamRelay(sink, "[0]: ")
     r1 = StreamRelay(sink, "[1]: ")

@@ -146,18 +146,19 @@ def test_a_pickle_written_into_the_store_runs_no_code(tmp_path):
 
 
 def test_node_reports_travel_as_json_and_are_signed_with_a_token(monkeypatch):
-    from mplaunch._nodes import decode_report, encode_report
+    from mplaunch._engine.nodes import decode_report, encode_report
+    from mplaunch._wire.messages import Raised
     from mplaunch.errors import RankFailure
     f = RankFailure(rank=3, local_rank=1, node_rank=1, hostname="h", pid=12, exitcode=1,
                     message="boom", traceback="tb text", exc_type="ValueError",
                     timestamp=1.5)
     monkeypatch.setenv("MPLAUNCH_TOKEN", "s3cret")
-    raw = encode_report([f], ("err", b"a pickle stays home", "ValueError", "bad value",
-                              "tb text", 1, 2.5))
+    raw = encode_report([f], Raised(b"a pickle stays home", "ValueError", "bad value",
+                                    "tb text", 1, 2.5))
     assert b"pickle stays home" not in raw
     failures, error = decode_report(raw)
     assert failures == [f]
-    assert error == ("err", None, "ValueError", "bad value", "tb text", 1, 2.5)
+    assert error == Raised(None, "ValueError", "bad value", "tb text", 1, 2.5)
     monkeypatch.setenv("MPLAUNCH_TOKEN", "other")
     with pytest.raises(ValueError, match="MPLAUNCH_TOKEN"):
         decode_report(raw)
@@ -239,7 +240,7 @@ def test_fork_rank_daemon_does_not_outlive_launch(tmp_path, fail):
 
 
 def test_subreaper_setting_is_restored_after_a_fork_launch():
-    from mplaunch import _sys
+    from mplaunch._wire import linux as _sys
     before = _sys.get_child_subreaper()
     mplaunch.launch(_tagged, ("x", 0), nprocs=1, start_method="fork")
     assert _sys.get_child_subreaper() == before
@@ -261,7 +262,7 @@ def _big(kind, n):
 
 @pytest.mark.parametrize("kind", ["bytes", "bytearray", "numpy", "nested"])
 def test_large_results_travel_outside_the_pickle_stream(kind):
-    from mplaunch._serialize import dumps_result, loads_result
+    from mplaunch._wire.payload import dumps_result, loads_result
     value = _big(kind, 1 << 22)
     data, fds = dumps_result(value)
     try:
@@ -293,7 +294,7 @@ def test_large_results_come_back_equal(kind):
 # (the refusals themselves are in test_validation.py, which proves nothing started)
 
 def test_nprocs_limit_can_be_raised_from_the_environment(monkeypatch):
-    from mplaunch._config import resolve_nprocs
+    from mplaunch._engine.config import resolve_nprocs
     monkeypatch.setenv("MPLAUNCH_MAX_NPROCS", "100000")
     assert resolve_nprocs(10 ** 5) == 10 ** 5
     monkeypatch.setenv("MPLAUNCH_MAX_NPROCS", "lots")

@@ -47,7 +47,7 @@ def test_timeout_shows_every_thread():
 
 def blocks_the_stack_signal():
     import signal
-    from mplaunch._worker import STACK_SIGNAL
+    from mplaunch._wire.messages import STACK_SIGNAL
     signal.pthread_sigmask(signal.SIG_BLOCK, [STACK_SIGNAL])
     time.sleep(600)
 

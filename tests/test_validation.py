@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 import mplaunch
-from mplaunch import _group, _procs
+from mplaunch._engine import group as _group, servers as _procs, spawners as _spawners
 
 
 # Input is checked before torch is imported: these run under every Python that
@@ -50,7 +50,7 @@ def refuses(monkeypatch, tmp_path):
 
     # Before the group makes its selector and pipes, so the guard leaks nothing itself.
     monkeypatch.setattr(_group.RankGroup, "__init__", started)
-    monkeypatch.setattr(_procs, "fork_rank", started)
+    monkeypatch.setattr(_spawners, "fork_rank", started)
     wire = str(tmp_path / "rank-was-here")
 
     def check(exc_type, match, func=ok, args=None, **kwargs):
@@ -267,7 +267,7 @@ def test_launch_shows_no_private_parameter():
 
 def test_nprocs_auto_is_one_rank_per_cpu_without_gpus():
     pytest.importorskip("torch")
-    from mplaunch._env import cpu_count
+    from mplaunch._engine.env import cpu_count
     assert mplaunch.launch(os.getpid, nprocs="auto", preload=()).__len__() == cpu_count()
 
 

@@ -96,7 +96,7 @@ class TreeParent:
         out = []
         for p in self.tree:
             with contextlib.suppress(psutil.Error):
-                if p.ppid() == self.proc.pid and "mplaunch._server" in " ".join(p.cmdline()):
+                if p.ppid() == self.proc.pid and "mplaunch._server.server" in " ".join(p.cmdline()):
                     out.append(p)
         return out
 

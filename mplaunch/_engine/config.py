@@ -1,0 +1,409 @@
+"""What a launch was asked to do: its arguments checked into a frozen LaunchConfig, and
+each rank's RankSpec derived from it.
+
+Every check happens here, in the launching process, before any process starts, and each
+refusal says what to write instead. Nothing after validation reads the raw arguments.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import multiprocessing
+import numbers
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple
+
+from . import servers
+from .env import cpu_count, rank_env, user_env_for
+from .slurm import layout as slurm_layout
+from .terminal import check_stdin_rank
+from .._wire.spec import RankSpec, Script
+
+START_METHODS = ("forkserver", "spawn", "fork")
+DEFAULT_PREFIX = "[rank{rank}]: "
+
+# launch()'s keyword options and their defaults: one table, so launch, start and World
+# cannot drift apart.
+OPTION_DEFAULTS: Dict[str, Any] = {
+    "kwargs": None,
+    "start_method": None,
+    "env": None,
+    "master_addr": None,
+    "master_port": None,
+    "grace_period": 5.0,
+    "timeout": None,
+    "max_restarts": 0,
+    "preload": None,
+    "prefix": DEFAULT_PREFIX,
+    "relay": True,
+    "ranks_filter": None,
+    "log_dir": None,
+    "nnodes": None,
+    "node_rank": None,
+    "stdin_rank": 0,
+}
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The validated arguments of one launch."""
+    nprocs: int
+    nnodes: int
+    node_rank: int
+    start_method: str
+    master_addr: str
+    master_port: Optional[int]
+    grace_period: float
+    timeout: Optional[float]
+    max_restarts: int
+    preload: Tuple[str, ...]
+    prefix: str
+    relay: bool
+    ranks_filter: Optional[FrozenSet[int]]
+    log_dir: Optional[str]
+    user_envs: Tuple[Dict[str, str], ...]   # the user's extra variables, by local rank
+    stdin_rank: Optional[int] = 0           # the rank that may read this terminal
+    script: Optional[Script] = None
+    # Where relayed output goes: the streams current when launch() was called (in a
+    # notebook, the calling cell's).
+    stdout: Any = field(default=None, repr=False, compare=False)
+    stderr: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nprocs
+
+    @property
+    def server_preload(self) -> Tuple[str, ...]:
+        """Which warm server this launch uses: spawn and fork need no preloads (their
+        server only execs, or only watches)."""
+        return self.preload if self.start_method == "forkserver" else ()
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.nprocs + local_rank
+
+
+def rank_specs(cfg: LaunchConfig, attempt: int, port: int,
+               store_address: Optional[str], serve: bool = False) -> List[RankSpec]:
+    """The specs of this node's ranks for one attempt (each attempt has its own keys in
+    the store and its own RESTART_COUNT)."""
+    base = dict(os.environ)
+    host = socket.gethostname()
+    cwd = working_directory()
+    path = tuple(sys.path)
+    specs = []
+    for lr in range(cfg.nprocs):
+        rank = cfg.global_rank(lr)
+        env = rank_env(base=base, rank=rank, local_rank=lr, world_size=cfg.world_size,
+                       local_world_size=cfg.nprocs, node_rank=cfg.node_rank,
+                       nnodes=cfg.nnodes, master_addr=cfg.master_addr, master_port=port,
+                       restart_count=attempt, max_restarts=cfg.max_restarts,
+                       extra=cfg.user_envs[lr], store=store_address,
+                       store_prefix=f"mplaunch/attempt_{attempt}/ranks/")
+        specs.append(RankSpec(rank=rank, local_rank=lr, node_rank=cfg.node_rank,
+                              hostname=host, env=env, cwd=cwd, sys_path=path,
+                              script=cfg.script,
+                              fresh_interpreter=cfg.start_method == "spawn",
+                              serve=serve))
+    return specs
+
+
+# -- validation ------------------------------------------------------------------------
+
+def validate(func: Callable[..., Any], args: Any, nprocs: Any,
+             options: Mapping[str, Any], script: Optional[Script] = None) -> LaunchConfig:
+    """Check launch()'s arguments (``options`` are its keyword options) and build the
+    configuration. Raises TypeError or ValueError, before anything has started."""
+    unknown = sorted(set(options) - set(OPTION_DEFAULTS))
+    if unknown:
+        raise TypeError(_unknown_option_message(unknown[0]))
+    working_directory()   # before anything imports torch: it cannot, from a deleted one
+    o = dict(OPTION_DEFAULTS, **options)
+    check_call(func, args, o["kwargs"])
+    nprocs = resolve_nprocs(nprocs)
+    nnodes, node_rank, master_addr, master_port = node_layout(
+        o["nnodes"], o["node_rank"], o["master_addr"], o["master_port"])
+    max_restarts = o["max_restarts"]
+    if not _is_int(max_restarts) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+    env = o["env"]
+    if env is not None and not (isinstance(env, Mapping) or callable(env)):
+        raise TypeError(f"env must be a dict of str to str, or a callable rank -> dict, "
+                        f"got {type(env).__name__}")
+    # Every rank's extra environment is computed (and checked) before anything starts.
+    user_envs = tuple(user_env_for(env, node_rank * nprocs + lr) for lr in range(nprocs))
+    stdin_rank = check_stdin_rank(o["stdin_rank"])
+    if stdin_rank is not None and stdin_rank >= nnodes * nprocs:
+        raise ValueError(f"stdin_rank={stdin_rank} is not a rank of this launch (ranks "
+                         f"0-{nnodes * nprocs - 1}); name one of them, or None for none")
+    return LaunchConfig(
+        nprocs=nprocs, nnodes=nnodes, node_rank=node_rank,
+        start_method=_start_method(o["start_method"]),
+        master_addr=master_addr, master_port=master_port,
+        grace_period=float(seconds("grace_period", o["grace_period"])),
+        timeout=seconds("timeout", o["timeout"], optional=True),
+        max_restarts=max_restarts,
+        preload=_preload(o["preload"]),
+        prefix=_prefix(o["prefix"]),
+        relay=bool(o["relay"]),
+        ranks_filter=_ranks_filter(o["ranks_filter"], nprocs),
+        log_dir=_log_dir(o["log_dir"]),
+        user_envs=user_envs, stdin_rank=stdin_rank, script=script,
+        stdout=sys.stdout, stderr=sys.stderr)
+
+
+def working_directory() -> str:
+    """The directory each rank starts in: the caller's, which must still exist."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            "mplaunch cannot launch from this process's current working directory: it "
+            "no longer exists (it was deleted). Each rank starts in the caller's working "
+            "directory, and torch cannot even be imported in a deleted one. os.chdir() "
+            "to a directory that exists, then launch again") from None
+
+
+def with_streams(cfg: LaunchConfig) -> LaunchConfig:
+    """The same configuration relaying to the streams current now (a World's later run
+    in another notebook cell)."""
+    if cfg.stdout is sys.stdout and cfg.stderr is sys.stderr:
+        return cfg
+    return dataclasses.replace(cfg, stdout=sys.stdout, stderr=sys.stderr)
+
+
+def resolve_nprocs(nprocs: Any) -> int:
+    """An int >= 1, or "auto": one rank per visible GPU, else one per usable CPU."""
+    if nprocs == "auto":
+        return auto_nprocs()
+    if not _is_int(nprocs) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive int or 'auto', got {nprocs!r}")
+    limit, why = max_nprocs()
+    if nprocs > limit:
+        raise ValueError(
+            f"nprocs={nprocs} is more ranks than mplaunch starts on one node without being "
+            f"told: at most {limit} ({why}). Each rank is a process with its own Python "
+            f"and torch, so this many would exhaust the machine long before they ran. "
+            f"If you mean it, set the environment variable {MAX_NPROCS_ENV} to the "
+            f"largest nprocs to allow")
+    return int(nprocs)
+
+
+MAX_NPROCS_ENV = "MPLAUNCH_MAX_NPROCS"
+
+
+def max_nprocs() -> Tuple[int, str]:
+    """The most ranks one node may start, and why: MPLAUNCH_MAX_NPROCS, else 32 per
+    CPU (at least 256), bounded by this user's process limit and the kernel's pid_max."""
+    raw = os.environ.get(MAX_NPROCS_ENV)
+    if raw is not None:
+        if not raw.strip().isdigit() or int(raw) < 1:
+            raise ValueError(f"{MAX_NPROCS_ENV} must be a positive int (the most ranks "
+                             f"one node may start), got {raw!r}")
+        return int(raw), f"{MAX_NPROCS_ENV}={raw.strip()}"
+    cpus = os.cpu_count() or 1
+    limit, why = max(256, 32 * cpus), f"32 per CPU, {cpus} CPUs here, at least 256"
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+        if soft != resource.RLIM_INFINITY and 0 < soft < limit:
+            limit, why = soft, f"RLIMIT_NPROC (ulimit -u) is {soft}"
+    except (ImportError, AttributeError, OSError, ValueError):
+        pass
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            pid_max = int(f.read())
+        if pid_max // 2 < limit:
+            limit, why = pid_max // 2, f"half of the kernel's pid_max {pid_max}"
+    except (OSError, ValueError):
+        pass
+    return limit, why
+
+
+def auto_nprocs() -> int:
+    return gpu_count() or cpu_count()
+
+
+def gpu_count() -> int:
+    """CUDA GPUs visible to this process, counted without initialising CUDA here."""
+    try:
+        import torch
+        return torch.cuda.device_count()  # NVML-based
+    except Exception:  # noqa: BLE001 - no usable torch: no GPU to count
+        return 0
+
+
+def _unknown_option_message(name: str) -> str:
+    close = difflib.get_close_matches(name, OPTION_DEFAULTS, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else (
+        f"; the options are {', '.join(OPTION_DEFAULTS)}")
+    return f"unexpected keyword argument {name!r}{hint}"
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_call(func, args, kwargs) -> None:
+    """func is callable, args a tuple or list, kwargs a dict of str keys or None."""
+    if not callable(func):
+        raise TypeError(f"func must be callable, got {type(func).__name__} {func!r}; pass "
+                        "the function itself, not the result of calling it")
+    if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple or list of arguments, got "
+                        f"{type(args).__name__}; for a single argument write args=(x,)")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+    if kwargs is not None and not all(isinstance(k, str) for k in kwargs):
+        raise TypeError("kwargs keys must be strings (argument names)")
+
+
+def node_layout(nnodes, node_rank, master_addr, master_port):
+    """(nnodes, node_rank, master_addr, master_port): as given, else from SLURM inside
+    an srun step, else one node on loopback."""
+    slurm = slurm_layout(os.environ) if nnodes is None else None
+    if slurm is not None and slurm["nnodes"] > 1:
+        nnodes = slurm["nnodes"]
+        node_rank = slurm["node_rank"] if node_rank is None else node_rank
+        master_addr = slurm["master_addr"] if master_addr is None else master_addr
+        master_port = slurm["master_port"] if master_port is None else master_port
+    nnodes = 1 if nnodes is None else nnodes
+    node_rank = 0 if node_rank is None else node_rank
+    master_addr = "127.0.0.1" if master_addr is None else master_addr
+    if not _is_int(nnodes) or nnodes < 1:
+        raise ValueError(f"nnodes must be an int >= 1, got {nnodes!r}")
+    if not _is_int(node_rank) or not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank must be an int in [0, nnodes={nnodes}), got "
+                         f"{node_rank!r}")
+    if not isinstance(master_addr, str) or not master_addr:
+        raise ValueError(f"master_addr must be a host name or address, got {master_addr!r}")
+    if master_port is not None and (not _is_int(master_port)
+                                    or not 1 <= master_port <= 65535):
+        raise ValueError(f"master_port must be an int in 1-65535 (or None to let mplaunch "
+                         f"pick and hold a free port), got {master_port!r}")
+    if nnodes > 1 and master_port is None:
+        raise ValueError("with nnodes > 1 every node must be given the same master_addr "
+                         "and master_port (node 0 hosts the store there)")
+    return nnodes, node_rank, master_addr, master_port
+
+
+def _start_method(start_method) -> str:
+    available = multiprocessing.get_all_start_methods()
+    if start_method is None:
+        return "forkserver" if "forkserver" in available else "spawn"
+    if start_method not in START_METHODS:
+        raise ValueError(f"unknown start_method {start_method!r}; use one of "
+                         f"{', '.join(map(repr, START_METHODS))}")
+    if start_method not in available:
+        raise ValueError(f"start_method {start_method!r} is not available on this platform")
+    if start_method == "fork" and servers.cuda_initialized():
+        raise RuntimeError("start_method='fork' is refused: CUDA is already initialised "
+                           "in this process, and a forked child cannot use it. Use the "
+                           "default start_method='forkserver' (as fast once warm, and "
+                           "safe), or 'spawn'.")
+    return start_method
+
+
+def seconds(name: str, value, optional: bool = False):
+    """A number of seconds; for an optional limit, None or inf mean no limit."""
+    if value is None and optional:
+        return None
+    if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+            or value != value or value < 0 or (optional and value == 0)
+            or (not optional and math.isinf(value))):
+        allowed = ("a number of seconds > 0, or None for no limit (inf too)" if optional
+                   else "a number of seconds >= 0, and finite")
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    if optional and math.isinf(value):
+        return None
+    return value
+
+
+def _log_dir(log_dir) -> Optional[str]:
+    """A directory that exists and is writable, or can be created: checked now, before
+    the server or any rank starts (nothing is created yet)."""
+    if log_dir is None:
+        return None
+    if not isinstance(log_dir, (str, os.PathLike)):
+        raise TypeError(f"log_dir must be a directory path (a str or os.PathLike), or "
+                        f"None for no log files; got {type(log_dir).__name__} {log_dir!r}")
+    path = os.fspath(log_dir)
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not path:
+        raise ValueError("log_dir must be a directory path, got ''; use None for no logs")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"log_dir {path!r} is not a directory: {existing!r} is a file; "
+                         f"name a directory (it is created if missing)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"log_dir {path!r} is not writable: this process may not write "
+                         f"in {existing!r}; name a directory it may write in")
+    return path
+
+
+def check_backend(backend) -> None:
+    """A World's ``backend``: None, or a backend torch.distributed knows ("gloo",
+    "nccl", ..., or "cpu:gloo,cuda:nccl"); checked without initialising CUDA."""
+    if backend is None:
+        return
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str such as 'gloo' or 'nccl', or None, "
+                        f"got {backend!r}")
+    try:
+        from torch.distributed import Backend
+        known = [b for b in Backend.backend_list if b != Backend.UNDEFINED]
+    except Exception:  # noqa: BLE001 - no torch.distributed here: the ranks will say
+        return
+    for part in backend.split(","):
+        name = part.rpartition(":")[2].strip().lower()
+        if name not in known:
+            raise ValueError(f"backend {backend!r} is not a torch.distributed backend "
+                             f"here; use one of {', '.join(map(repr, known))} (or a "
+                             f"device mapping such as 'cpu:gloo,cuda:nccl'), or None")
+
+
+def _preload(preload) -> Tuple[str, ...]:
+    if preload is None:
+        return servers.default_preload()
+    if isinstance(preload, str):
+        preload = [preload]
+    names = tuple(preload)
+    if not all(isinstance(m, str) and m for m in names):
+        raise TypeError("preload must be a list of module names (str)")
+    return names
+
+
+def _prefix(prefix) -> str:
+    if prefix is None:
+        return ""
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str template or None, got {type(prefix).__name__}")
+    try:
+        prefix.format(rank=0, local_rank=0, node_rank=0, host="h")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"prefix {prefix!r} is not a valid template: {exc!r}; the "
+                         "fields are {rank}, {local_rank}, {node_rank} and {host}") from None
+    return prefix
+
+
+def _ranks_filter(ranks_filter, nprocs: int) -> Optional[FrozenSet[int]]:
+    if ranks_filter is None:
+        return None
+    if isinstance(ranks_filter, numbers.Integral):
+        ranks_filter = [ranks_filter]
+    ranks = frozenset(ranks_filter)
+    if not all(_is_int(r) for r in ranks):
+        raise TypeError("ranks_filter must be a collection of local rank numbers")
+    outside = sorted(r for r in ranks if not 0 <= r < nprocs)
+    if outside:
+        raise ValueError(f"ranks_filter names local rank {outside[0]}, but this node "
+                         f"has ranks 0-{nprocs - 1} (nprocs={nprocs}); name ranks in "
+                         f"that range")
+    return ranks

@@ -1,0 +1,352 @@
+"""A group of ranks: started together, watched on one selector, ended together.
+
+Lifetime: ``start()``, then ``wait()`` in a loop while ``running`` (each call handles what
+happened: results, output, exits, the SIGTERM -> grace -> SIGKILL escalation), ``stop()``
+to tear down as on a failure, and ``close()``, which returns only once every process of
+the group, grandchildren included, is gone and its output relayed. What the outcome *is*
+(a list of results or an error) is decided elsewhere (_engine.ending, _engine.outcome),
+from ``ranks`` and ``failures``.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import selectors
+import signal
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+from . import spawners
+from .config import LaunchConfig
+from .output import StreamRelay, read_pipe
+from .ranks import RankState, drain_outputs
+from .signals import Waker
+from .._wire import linux
+from .._wire.channel import send_framed
+from .._wire.messages import CALL_TAG, RESULT_TAG, Raised, Returned
+from .._wire.payload import loads_result
+from .._wire.spec import RankSpec
+from ..errors import RankFailure, signal_name
+
+_DRAIN_WAIT = 2.0      # how long output pipes may stay open after every rank is gone
+_MAX_SELECT = 86400.0
+_EXIT_WAIT = 10.0      # how long close() waits for SIGKILLed ranks to be reaped
+
+
+@dataclass
+class Teardown:
+    """A group's teardown, once begun: `signal` went to every rank at `since`, and
+    SIGKILL follows at `kill_at` (monotonic times)."""
+    signal: int
+    since: float
+    wall: float         # `since` as time.time(), to compare with the ranks' timestamps
+    kill_at: float
+    killed: bool = False
+
+
+class RankGroup:
+    """This node's ranks of one attempt. ``waker`` lets someone else (a signal handler,
+    another thread) make ``wait()`` return early. How ranks are started, signalled and
+    reaped is the spawner's (_engine.spawners); the group only keeps their state."""
+
+    def __init__(self, cfg: LaunchConfig, specs: Sequence[RankSpec], payload_fd: int,
+                 attempt: int, waker: Waker):
+        self.cfg = cfg
+        self.attempt = attempt
+        self.payload_fd = payload_fd
+        self.ranks: List[RankState] = [RankState(s) for s in specs]
+        self.failures: List[RankFailure] = []
+        self.teardown: Optional[Teardown] = None
+        self.spawner = spawners.for_config(cfg, self)
+        self._by_pid: Dict[int, RankState] = {}
+        self._sel = selectors.DefaultSelector()
+        self._waker = waker
+        self._closed = False
+
+    @property
+    def running(self) -> bool:
+        return any(r.alive for r in self.ranks)
+
+    @property
+    def stopping(self) -> bool:
+        return self.teardown is not None
+
+    @property
+    def pids(self) -> Dict[int, int]:
+        return {r.spec.rank: r.pid for r in self.ranks if r.pid not in (None, -1)}
+
+    # -- starting --------------------------------------------------------------------
+    def start(self) -> None:
+        """Start every rank; returns once each has a pid."""
+        self.spawner.open(self._sel)
+        self._sel.register(self._waker.r, selectors.EVENT_READ, self._on_wake)
+        for r in self.ranks:
+            self._start_one(r)
+        while any(r.pid is None for r in self.ranks):
+            self.spawner.pump()
+
+    def _start_one(self, r: RankState) -> None:
+        child_fds = r.open(self.cfg, self.attempt, self.payload_fd)
+        try:
+            self.spawner.start(r.local_rank, r.spec, child_fds)
+        finally:
+            r.close_child_ends()
+        self._sel.register(r.reader.sock, selectors.EVENT_READ, ("result", r))
+        self._sel.register(r.out_fd, selectors.EVENT_READ, ("out", r))
+        self._sel.register(r.err_fd, selectors.EVENT_READ, ("err", r))
+
+    # -- what the spawner reports ----------------------------------------------------------
+    def started(self, token: int, pid: int) -> None:
+        r = self.ranks[token]
+        r.pid = pid
+        self._by_pid[pid] = r
+        if self.teardown is not None:
+            self._signal(self.teardown.signal, [r])
+
+    def exited(self, pid: int, status: int) -> None:
+        r = self._by_pid.get(pid)
+        if r is not None and r.alive:
+            self._on_exit(r, status)
+
+    def start_failed(self, token: int, reason: str) -> None:
+        r = self.ranks[token]
+        r.status, r.pid = 1 << 8, -1
+        self.fail(self._record(r, exitcode=1, message=f"could not start: {reason}"))
+
+    def server_lost(self) -> None:
+        """The server died, and every rank it started with it (parent-death signal)."""
+        for r in self.ranks:
+            if r.alive:
+                r.status = signal.SIGKILL
+                if r.pid is None:
+                    r.pid = -1
+                self.fail(self._record(
+                    r, exitcode=-signal.SIGKILL, signal="SIGKILL",
+                    message="was killed because mplaunch's server process died"))
+
+    # -- calls (a World's ranks stay up between them) ----------------------------------
+    def call(self, payload_fd: int) -> None:
+        """Ask every rank to run the payload in `payload_fd` next; wait() until
+        ``replied``."""
+        for r in self.ranks:
+            r.has_result, r.result = False, None
+            send_framed(r.reader.sock, CALL_TAG, [payload_fd])
+
+    @property
+    def replied(self) -> bool:
+        return all(r.has_result for r in self.ranks)
+
+    def relay_written(self) -> None:
+        """Relay all the ranks have written so far, a last line without its newline
+        included: once every rank has answered a call, that call's output goes to the
+        streams it was called with, not to the next call's (the ranks flushed their
+        streams before answering; the pipes may hold more than one read)."""
+        for r in self.ranks:
+            for fd, relay in ((r.out_fd, r.out), (r.err_fd, r.err)):
+                if fd is None or relay is None:
+                    continue
+                while True:
+                    chunk = read_pipe(fd)
+                    if not chunk:
+                        break  # empty for now, or EOF (wait() unregisters it)
+                    relay.feed(chunk)
+                relay.end_line()
+
+    def relay_to(self, stdout, stderr) -> None:
+        """Relay the ranks' output to these streams from now on."""
+        for r in self.ranks:
+            for relay, sink in ((r.out, stdout), (r.err, stderr)):
+                if relay is not None and relay.sink is not None:
+                    relay.retarget(sink)
+
+    # -- waiting ---------------------------------------------------------------------
+    def wait(self, timeout: Optional[float]) -> None:
+        """Handle what happens within `timeout` seconds (None: until something does),
+        and escalate a teardown whose grace period is over."""
+        td = self.teardown
+        if td is not None and not td.killed:
+            left = max(0.0, td.kill_at - time.monotonic())
+            timeout = left if timeout is None else min(timeout, left)
+        if timeout is not None:
+            # epoll takes at most ~24 days (an int of ms); callers loop until their
+            # deadline, so a longer limit is waited out in slices.
+            timeout = min(timeout, _MAX_SELECT)
+        for key, _ in self._sel.select(timeout):
+            self._dispatch(key)
+        if td is not None and not td.killed and time.monotonic() >= td.kill_at:
+            self._signal(signal.SIGKILL, [r for r in self.ranks if r.alive])
+            td.killed = True
+
+    def _dispatch(self, key) -> None:
+        data = key.data
+        if callable(data):
+            data(key.fileobj)
+            return
+        kind, r = data
+        if kind == "result":
+            self._read_result(r)
+        elif kind == "out":
+            self._read_output(r.out_fd, r.out)
+        elif kind == "err":
+            self._read_output(r.err_fd, r.err)
+        elif kind == "stack":
+            chunk = read_pipe(r.stack_fd)
+            if chunk:
+                r.stack_text += chunk
+            elif chunk == b"":
+                self._unregister(r.stack_fd)
+
+    def _on_wake(self, _fd) -> None:
+        self._waker.drain()
+
+    def _read_result(self, r: RankState) -> None:
+        for data, fds in r.reader.read_available():
+            self._on_message(r, data, fds)
+        if r.reader.eof:
+            self._unregister(r.reader.sock)
+
+    def _on_message(self, r: RankState, data: bytes, fds: list) -> None:
+        tag, body = data[:1], data[1:]
+        if tag == RESULT_TAG:
+            try:
+                r.result = loads_result(body, fds)
+                r.has_result = True
+            except Exception as exc:  # noqa: BLE001
+                r.error = Raised(None, type(exc).__name__,
+                                 f"the parent could not unpickle rank {r.spec.rank}'s "
+                                 f"return value: {exc}", None, 1, time.time())
+                if not self.stopping:
+                    self.fail(self._failure_from_error(r, r.error))
+            return
+        for fd in fds:
+            os.close(fd)
+        msg = pickle.loads(body)
+        if isinstance(msg, Returned):
+            r.result, r.has_result = msg.value, True
+        elif isinstance(msg, Raised):
+            r.error = msg
+            # An error raised after the teardown began is its consequence, not a cause.
+            if self.teardown is None or msg.timestamp <= self.teardown.wall:
+                self.fail(self._failure_from_error(r, msg))
+
+    def _read_output(self, fd: int, relay: StreamRelay) -> None:
+        chunk = read_pipe(fd)
+        if chunk is None:
+            return
+        if chunk == b"":
+            self._unregister(fd)
+            return
+        relay.feed(chunk)
+
+    # -- exits and failures ----------------------------------------------------------
+    def _on_exit(self, r: RankState, status: int) -> None:
+        r.status = status
+        r.exited_at = time.time()
+        if r.reader.sock.fileno() != -1:
+            self._read_result(r)  # everything it sent is already in the socket
+        exitcode, signo = linux.describe_status(status)
+        if r.error is not None or self.stopping:
+            return
+        if r.has_result and exitcode == 0 and not r.spec.serve:
+            return
+        if signo is not None:
+            failure = self._record(r, exitcode=exitcode, signal=signal_name(signo))
+        elif r.spec.serve:
+            failure = self._record(r, exitcode=exitcode, message=f"exited with code "
+                                   f"{exitcode} while its World was up")
+        elif exitcode == 0:
+            failure = self._record(r, exitcode=0, message="exited with code 0 without "
+                                   "returning a result (did it call os._exit(0)?)")
+        else:
+            failure = self._record(r, exitcode=exitcode)
+        self.fail(failure)
+
+    def _record(self, r: RankState, **fields) -> RankFailure:
+        fields.setdefault("timestamp", r.exited_at or time.time())
+        return RankFailure(r.spec.rank, r.pid, attempt=self.attempt,
+                           local_rank=r.local_rank, node_rank=r.spec.node_rank,
+                           hostname=r.spec.hostname, **fields)
+
+    def _failure_from_error(self, r: RankState, msg: Raised) -> RankFailure:
+        return self._record(r, exitcode=msg.exitcode, exc_type=msg.type_name,
+                            message=msg.message, traceback=msg.traceback,
+                            timestamp=msg.timestamp)
+
+    def fail(self, failure: RankFailure) -> None:
+        """Record a failure of this node and tear the group down."""
+        self.failures.append(failure)
+        self.stop(signal.SIGTERM)
+
+    def node_failure(self, message: str) -> RankFailure:
+        """A failure of this node as a whole (not of one rank's process), recorded
+        under its first rank."""
+        first = self.ranks[0].spec
+        return RankFailure(first.rank, None, None, None, message=message,
+                           attempt=self.attempt, timestamp=time.time(),
+                           local_rank=first.local_rank, node_rank=first.node_rank,
+                           hostname=first.hostname)
+
+    # -- stopping --------------------------------------------------------------------
+    def stop(self, signo: int = signal.SIGTERM,
+             grace_period: Optional[float] = None) -> None:
+        """Begin tearing down (once): `signo` to every rank now, SIGKILL after the grace
+        period (driven by wait())."""
+        if self.teardown is not None:
+            return
+        now = time.monotonic()
+        grace = self.cfg.grace_period if grace_period is None else grace_period
+        self.teardown = Teardown(signo, now, time.time(), now + grace)
+        self._signal(signo, [r for r in self.ranks if r.alive])
+
+    def hurry(self) -> None:
+        """Asked twice: do not wait for the rest of the grace period."""
+        if self.teardown is not None:
+            self.teardown.kill_at = 0.0
+
+    def send_signal(self, signo: int, ranks: Sequence[RankState]) -> None:
+        """Deliver `signo` to these ranks' processes (not their groups)."""
+        pids = [r.pid for r in ranks if r.signalable]
+        if pids:
+            self.spawner.signal_ranks(signo, pids)
+
+    def watch_stacks(self, ranks: Sequence[RankState]) -> None:
+        """Start collecting these ranks' stack dumps into their ``stack_text``."""
+        for r in ranks:
+            self._sel.register(r.stack_fd, selectors.EVENT_READ, ("stack", r))
+
+    def _signal(self, signo: int, ranks) -> None:
+        """`signo` to each rank's whole process group (its descendants too)."""
+        pids = [r.pid for r in ranks if r.pid not in (None, -1)]
+        if pids:
+            self.spawner.signal_groups(signo, pids)
+
+    def _unregister(self, fileobj) -> None:
+        try:
+            self._sel.unregister(fileobj)
+        except (KeyError, ValueError):
+            pass
+
+    # -- the end ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Kill what is still running, kill orphans, relay the last output, close every
+        fd. Idempotent; returns only when every process of the group is gone."""
+        if self._closed:
+            return
+        self._closed = True
+        alive = [r for r in self.ranks if r.signalable]
+        if alive:
+            self._signal(signal.SIGKILL, alive)
+            end = time.monotonic() + _EXIT_WAIT
+            while any(r.alive for r in alive) and time.monotonic() < end:
+                for key, _ in self._sel.select(0.5):
+                    self._dispatch(key)
+        self.spawner.sweep()
+        drain_outputs(self.ranks, _DRAIN_WAIT)
+        for r in self.ranks:
+            r.close()
+        self.spawner.close()
+        # The spawner reports to us and we hold it: without this the pair (and every
+        # result held by a rank's state) would live until the cycle collector runs.
+        self.spawner.events = None
+        self._sel.close()

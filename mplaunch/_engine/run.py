@@ -1,0 +1,89 @@
+"""Run: one launch from its first rank to its outcome: a Session (payload, store,
+waker, server) and the attempts it holds, restarted on failure up to max_restarts.
+launch() drives it inline, start() in a thread.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, List, Optional
+
+from . import signals
+from .attempt import Attempt
+from .config import LaunchConfig
+from .nodes import NodeWatch
+from .outcome import results_or_raise
+from .session import Session
+from ..errors import WorkerError
+
+
+class Run:
+    """One launch from its first rank to its outcome: the payload, the store, and the
+    attempts. Signals to this process are forwarded to the current attempt."""
+
+    def __init__(self, cfg: LaunchConfig, payload: bytes, forward_signals: bool = True):
+        self.cfg = cfg
+        self.payload = payload
+        self.forward_signals = forward_signals  # else the caller forwards (Handle.wait)
+        self.attempt: Optional[Attempt] = None
+        self.stop_asked = False
+        self.stop_grace: Optional[float] = None
+        self.started = threading.Event()   # the first attempt's ranks all have pids
+        self._pids: Dict[int, int] = {}
+
+    @property
+    def pids(self) -> Dict[int, int]:
+        """{rank: pid} of the current (else the last) attempt's ranks."""
+        attempt = self.attempt
+        return attempt.group.pids if attempt is not None else dict(self._pids)
+
+    def stop(self, grace_period: Optional[float] = None) -> None:
+        """From any thread: end the current attempt as on a failure, and start no
+        other."""
+        self.stop_grace, self.stop_asked = grace_period, True
+        attempt = self.attempt
+        if attempt is not None:
+            attempt.request_stop(grace_period)
+
+    def on_signal(self, signo: int) -> None:
+        """From a signal handler or another thread: the current attempt stops."""
+        attempt = self.attempt
+        if attempt is not None:
+            attempt.on_signal(signo)
+
+    def drive(self) -> List[Any]:
+        """Run attempts until one succeeds or max_restarts is spent."""
+        cfg = self.cfg
+        previous: list = []
+        with Session(cfg, self.payload) as session:
+            for number in range(cfg.max_restarts + 1):
+                try:
+                    return self._attempt(number, session)
+                except WorkerError as err:
+                    if number >= cfg.max_restarts or self.stop_asked:
+                        if previous:
+                            err.previous_attempts = previous + err.previous_attempts
+                            err.args = (err._message(),)
+                        raise
+                    previous.append(err.failures)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _attempt(self, number: int, session: Session) -> List[Any]:
+        cfg = self.cfg
+        session.wait_server()
+        watch = (NodeWatch(session.hosted.store, number, cfg.node_rank, cfg.nnodes)
+                 if cfg.nnodes > 1 else None)
+        attempt = Attempt(cfg, number, session.specs(number), session.payload_fd,
+                          session.waker, watch)
+        self.attempt = attempt
+        if self.stop_asked:
+            attempt.request_stop(self.stop_grace)
+        try:
+            if self.forward_signals:
+                with signals.forwarding(self.on_signal):
+                    attempt.run(self.started.set)
+            else:
+                attempt.run(self.started.set)
+        finally:
+            self._pids = attempt.group.pids
+            self.attempt = None
+        return results_or_raise(attempt)

@@ -1,0 +1,47 @@
+"""A rank that stays up (a World's): it runs each call the launching process sends on
+its result socket, answering each with one message, until that socket closes.
+
+A call is a framed message whose single fd is a memfd holding the pickled function and
+arguments, as for a launch; the answer is the usual result or exception message.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Callable, Dict, Optional
+
+from .._wire.channel import recv_framed
+
+_state: Dict[str, Any] = {}
+
+
+def rank_state() -> Dict[str, Any]:
+    """A dict that lives as long as this process: in a :class:`mplaunch.World`'s rank,
+    state kept from one ``run`` to the next (module globals persist too). In any other
+    process it is just a dict of that process."""
+    return _state
+
+
+def serve(sock: socket.socket, payload_fd: int, call: Callable[[int], int]) -> int:
+    """Run calls until the parent closes the socket; the exit code (0). `payload_fd` is
+    the first call's; each call's payload stays open until the next one's has replaced
+    it (the rank's children read its `__main__` definitions there)."""
+    while True:
+        fd = _next_call(sock)
+        if fd is None:
+            return 0
+        call(fd)
+        os.close(payload_fd)
+        payload_fd = fd
+
+
+def _next_call(sock: socket.socket) -> Optional[int]:
+    """Block for the next call's payload fd; None once the parent has closed its end."""
+    data, fds = recv_framed(sock)
+    if data is None or not fds:
+        for fd in fds:
+            os.close(fd)
+        return None
+    for fd in fds[1:]:
+        os.close(fd)
+    return fds[0]

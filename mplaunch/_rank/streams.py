@@ -1,0 +1,141 @@
+"""The rank's standard streams: fds 0, 1 and 2, and the Python objects over them.
+
+- stdout and stderr are pipes to the launching process. With PYTHONUNBUFFERED (which
+  mplaunch sets in every rank) they are unbuffered, as under ``python -u``: whatever the
+  rank wrote is in the pipe before its next statement runs, so a rank that dies by
+  ``os._exit``, a signal or a segfault loses nothing, not even half a line.
+- stdin is the launching process's terminal for the rank chosen to read it (so that
+  ``breakpoint()`` and ``input()`` work there), /dev/null for every other rank, where
+  ``breakpoint()`` is skipped with a note instead of failing the rank.
+- When the launching process's stream is a terminal, the rank's Python stream says so
+  (``isatty()``), so libraries that colour or draw progress bars only on a terminal do
+  so in the rank as they would under torchrun.
+"""
+from __future__ import annotations
+
+import builtins
+import io
+import os
+import sys
+
+from .._wire import linux
+
+
+class _TerminalPipe(io.FileIO):
+    """A pipe whose far end (the launching process's relay) writes to a terminal.
+
+    Only the Python object says so: ``os.isatty(1)`` and subprocesses still see the
+    pipe. That is what libraries ask (``stream.isatty()``: logging colour handlers,
+    tqdm's ``disable=None``, rich, click), and a pipe keeps the relay's prefixes and
+    whole lines, which a pseudo-terminal per rank would not."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def take_over(fds: dict, terminal: dict, unbuffered: bool) -> None:
+    """Point fds 0, 1 and 2 at what the parent sent, and make sys.stdin, sys.stdout
+    and sys.stderr fresh objects over them.
+
+    `terminal` says which of stdout and stderr end on a terminal in the parent;
+    `unbuffered` is the rank's PYTHONUNBUFFERED.
+    """
+    stdin = fds.get("stdin")
+    if stdin is None:
+        stdin = os.open(os.devnull, os.O_RDONLY)
+    if stdin != 0:
+        os.dup2(stdin, 0)
+        os.close(stdin)
+    os.dup2(fds["stdout"], 1)
+    os.dup2(fds["stderr"], 2)
+    for key in ("stdout", "stderr"):
+        if fds[key] > 2:
+            os.close(fds[key])
+    # Fresh Python streams over the new fds; anything buffered in the inherited objects
+    # belongs to another process and is dropped, not flushed.
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout = _writer(1, terminal.get("stdout", False), unbuffered)
+    sys.stderr = _writer(2, terminal.get("stderr", False), unbuffered)
+    sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
+    if not os.isatty(0):
+        sys.breakpointhook = _breakpoint_without_terminal
+    if unbuffered:
+        _unbuffer_c_stdio()
+        _own[:] = [sys.stdout, sys.stderr]
+        builtins.print = _print
+
+
+def _writer(fd: int, tty: bool, unbuffered: bool) -> io.TextIOWrapper:
+    raw = (_TerminalPipe if tty else io.FileIO)(fd, "w", closefd=False)
+    if unbuffered:
+        return io.TextIOWrapper(raw, write_through=True, errors="backslashreplace")
+    return io.TextIOWrapper(raw, line_buffering=True, errors="backslashreplace")
+
+
+def _unbuffer_c_stdio() -> None:
+    # As `python -u` does: printf from an extension (or std::cout, which goes through
+    # C stdio) reaches the pipe before a crash in the same extension, not only at exit.
+    # A forked rank inherits the server's C stdio, set up before PYTHONUNBUFFERED applied.
+    try:
+        import ctypes
+        libc = linux._c()
+        for name in ("stdout", "stderr"):
+            stream = ctypes.c_void_p.in_dll(libc, name)
+            libc.setvbuf(stream, None, 2, 0)  # _IONBF
+    except Exception:  # noqa: BLE001 - not glibc: C stdio keeps its own buffering
+        pass
+
+
+def _breakpoint_without_terminal(*args, **kwargs):
+    """breakpoint() in a rank that cannot read the terminal.
+
+    pdb reading /dev/null quits at once and raises BdbQuit, which would fail this rank
+    and tear down the launch, the rank being debugged included, as soon as a
+    breakpoint() left in code that every rank runs is reached. Going on instead lets the
+    other ranks wait at their next collective while one rank is debugged."""
+    if os.environ.get("PYTHONBREAKPOINT"):
+        return sys.__breakpointhook__(*args, **kwargs)  # the user chose a debugger
+    rank = os.environ.get("RANK", "?")
+    sys.stderr.write(f"mplaunch: breakpoint() skipped in rank {rank}, which has no "
+                     f"terminal to read (launch(..., stdin_rank={rank}) gives it the "
+                     "terminal)\n")
+    return None
+
+
+# -- print ------------------------------------------------------------------------------
+
+_builtin_print = builtins.print
+_own: list = []  # the rank's unbuffered sys.stdout and sys.stderr
+
+
+def _print(*args, sep=None, end=None, file=None, flush=False):
+    """print(), writing one piece of text where the builtin writes one per argument,
+    separator and end.
+
+    On an unbuffered stream each write is a system call, so ``print("step", i)`` would
+    cost four and make a rank that prints a lot several times slower; one write also
+    keeps a printed line whole in the pipe. Any other file, and any unusual argument,
+    goes to the builtin print unchanged.
+    """
+    if file is None:
+        file = sys.stdout
+    if ((file is not _own[0] and file is not _own[1])
+            or (sep is not None and type(sep) is not str)
+            or (end is not None and type(end) is not str)):
+        return _builtin_print(*args, sep=sep, end=end, file=file, flush=flush)
+    if sep is None:
+        sep = " "
+    parts = []
+    try:
+        for arg in args:
+            parts.append(arg if type(arg) is str else str(arg))
+    except BaseException:
+        # As the builtin: what came before the argument that failed is written.
+        file.write(sep.join(parts) + (sep if parts else ""))
+        raise
+    file.write(sep.join(parts) + ("\n" if end is None else end))
+    return None
+
+
+_print.__name__ = _print.__qualname__ = "print"
+_print.__doc__ = _builtin_print.__doc__

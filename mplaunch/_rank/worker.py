@@ -1,0 +1,299 @@
+"""The rank's side: take over the process, apply the environment, run the function, send
+one message, exit.
+
+Order matters: the process group, the parent-death signal and the file descriptors are
+set up before anything that can fail or run user code; the environment, cwd and
+sys.path are applied before the payload is unpickled, so import-time code in the user's
+modules sees the rank's environment.
+"""
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import os
+import signal
+import sys
+import time
+
+from . import rendezvous, streams
+from .._wire import linux
+from .._wire.channel import send_framed
+from .._wire.messages import (EXIT_ERROR, EXIT_PARENT_GONE, MESSAGE_TAG, RESULT_TAG,
+                              STACK_SIGNAL, Raised, Returned)
+
+_TERMINATION_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGCHLD", "SIGPIPE",
+                        "SIGUSR1", "SIGUSR2")
+
+
+def _take_over_process(fds: dict, expected_ppid: int, terminal: dict,
+                       unbuffered: bool) -> None:
+    _lead_own_group(fds.get("stdin"))
+    linux.set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != expected_ppid:
+        # Our parent died before the death signal was armed: nobody would ever kill us.
+        os._exit(EXIT_PARENT_GONE)
+    try:
+        signal.set_wakeup_fd(-1)
+    except (ValueError, OSError):
+        pass
+    for name in _TERMINATION_SIGNALS:
+        signo = getattr(signal, name, None)
+        if signo is None:
+            continue
+        handler = signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL
+        try:
+            signal.signal(signo, handler)
+        except (OSError, ValueError):
+            pass
+    streams.take_over(fds, terminal, unbuffered)
+    faulthandler.enable(file=2, all_threads=True)
+    faulthandler.register(STACK_SIGNAL, file=fds["stack"], all_threads=True, chain=False)
+
+
+def _lead_own_group(stdin) -> None:
+    """Lead our own process group, so that teardown signals reach our descendants too.
+
+    A rank that reads the terminal leads its own session as well: a process group of
+    the terminal's session that is not in the foreground is stopped (SIGTTIN) when it
+    reads it, and a rank forked by the launching process (start_method="fork") would
+    be one. In a session of its own the terminal is not its controlling one, and reads
+    are plain reads. (Ranks the server forks are in its session, which has no terminal.)
+    """
+    if stdin is not None and os.isatty(stdin):
+        try:
+            os.setsid()
+            return
+        except OSError:
+            pass  # already a group leader (our parent's setpgid came first)
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+
+
+def _apply_spec(spec) -> None:
+    os.environ.clear()
+    os.environ.update(spec.env)
+    try:
+        os.chdir(spec.cwd)
+    except OSError:
+        pass
+    sys.path[:] = spec.sys_path
+    if spec.script is not None:
+        sys.argv[:] = spec.script.argv
+    atexit._clear()  # handlers inherited from the forking process are not ours to run
+    rendezvous.install_hook()
+    torch = sys.modules.get("torch")
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if torch is not None and threads and threads.isdigit() and int(threads) > 0:
+        # torch was imported before the environment was applied (a warm forkserver), so
+        # it may have sized its pool from the server's environment.
+        try:
+            torch.set_num_threads(int(threads))
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_rank(spec, fds: dict, expected_ppid: int):
+    """Run one rank in this (new) process. Never returns."""
+    code = EXIT_ERROR
+    try:
+        terminal = spec.terminal or {}
+        _take_over_process(fds, expected_ppid, terminal,
+                           unbuffered=bool(spec.env.get("PYTHONUNBUFFERED")))
+        _apply_spec(spec)
+        code = _run_and_report(spec, fds)
+    except BaseException:  # noqa: BLE001 - last resort: the parent sees the exit code
+        try:
+            import traceback
+            traceback.print_exc()
+        except BaseException:  # noqa: BLE001
+            pass
+    finally:
+        _flush_streams()
+        _run_multiprocessing_finalizers()
+        _kill_descendants()
+        os._exit(code)
+
+
+def _run_multiprocessing_finalizers() -> None:
+    # os._exit skips them, and the resource tracker that would clean up after them dies
+    # with the rank's other children: the named semaphores of a spawn or forkserver
+    # DataLoader's queues would stay in /dev/shm. Priority >= 0 only: those unlink and
+    # terminate; the lower ones join queue feeder threads, which could wait forever.
+    util = sys.modules.get("multiprocessing.util")
+    if util is None:
+        return
+    try:
+        util._run_finalizers(0)
+    except BaseException:  # noqa: BLE001 - exiting anyway
+        pass
+
+
+def _kill_descendants() -> None:
+    # What the function started and left running ends with the rank. Under a server
+    # that would happen anyway (it is their subreaper); a fork-mode rank's leftovers in
+    # a session of their own would otherwise outlive the launch.
+    for pid in linux.descendants_of(os.getpid()):
+        linux.kill_quiet(pid, signal.SIGKILL)
+
+
+def _run_and_report(spec, fds: dict) -> int:
+    import socket
+    sock = socket.socket(fileno=fds["result"])
+    code = _call_and_report(sock, spec, fds["payload"])
+    if spec.serve:
+        # A World's rank: more calls follow, until the parent ends the world.
+        from .serve import serve
+        return serve(sock, fds["payload"], lambda fd: _call_and_report(sock, spec, fd))
+    return code
+
+
+def _call_and_report(sock, spec, payload_fd: int) -> int:
+    """Run what the payload in `payload_fd` holds (or the spec's script), send one
+    message: the result or the exception. Returns the exit code that outcome calls for.
+    The payload stays open: the rank's spawn and forkserver children read the
+    definitions of its __main__ from it."""
+    from .._wire import payload as wire_payload
+    payload = linux.read_all_fd(payload_fd)
+    exitcode = 0
+    try:
+        if spec.script is not None:
+            value = _run_script(spec.script.target, spec.script.kind)
+        else:
+            from .._wire.mainmod import publish
+            func, args, kwargs = wire_payload.loads_payload(payload, publish(payload_fd))
+            del payload
+            value = func(*args, **kwargs)
+    except SystemExit as exc:
+        exitcode = _exit_code(exc.code)
+        if exitcode == 0:
+            _send(sock, Returned(None))
+            return 0
+        _send_exception(sock, exc, exitcode, show=False)  # as python does for exit(n)
+        return exitcode
+    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt and pytest outcomes too
+        _send_exception(sock, exc, EXIT_ERROR, hint=_spawn_style_hint(exc))
+        return EXIT_ERROR
+    try:
+        data, tensor_fds = wire_payload.dumps_result(value)
+    except BaseException as exc:  # noqa: BLE001
+        err = TypeError(f"rank {spec.rank} returned a value that could not be pickled "
+                        f"({type(value).__name__}): {type(exc).__name__}: {exc}. Return "
+                        "something picklable, or save it to a file and return the path.")
+        err.__cause__ = exc
+        _send_exception(sock, err, EXIT_ERROR)
+        return EXIT_ERROR
+    _send_raw(sock, RESULT_TAG + data, tensor_fds)
+    for fd in tensor_fds:
+        os.close(fd)
+    return exitcode
+
+
+def _exit_code(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)  # sys.exit("message") prints it and exits 1
+    return 1
+
+
+def _send(sock, msg) -> None:
+    import pickle
+    _send_raw(sock, MESSAGE_TAG + pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), ())
+
+
+def _send_raw(sock, data: bytes, fds) -> None:
+    # What the call printed reaches the pipes before its answer reaches the parent: a
+    # World's run ends with all of its own output (a last line without its newline too).
+    _flush_streams()
+    try:
+        send_framed(sock, data, fds)
+    except OSError:
+        pass  # the parent is gone; the death signal will end us
+
+
+_SPAWN_HINT = (
+    "[mplaunch] the function is called with args and kwargs only: unlike "
+    "torch.multiprocessing.spawn, mplaunch passes no rank argument. Read the rank from "
+    "the RANK environment variable (LOCAL_RANK on this node), or call "
+    "torch.distributed.get_rank() after init_process_group().")
+
+
+def _spawn_style_hint(exc: BaseException):
+    """The hint for a function written for torch.multiprocessing.spawn, fn(rank, ...):
+    only for a missing argument of the call to the function itself. No frame below ours
+    means the call failed while binding its arguments, before the function ran; a
+    TypeError from deeper inside is the user's own."""
+    tb = exc.__traceback__
+    if (type(exc) is TypeError and tb is not None and tb.tb_next is None
+            and tb.tb_frame.f_code is _call_and_report.__code__
+            and "required positional argument" in str(exc)):
+        return _SPAWN_HINT
+    return None
+
+
+def _send_exception(sock, exc: BaseException, exitcode: int, show: bool = True,
+                    hint=None) -> None:
+    from .._wire.exceptions import pack_exception
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
+                              or tb.tb_frame.f_code.co_filename == "<frozen runpy>"):
+        tb = tb.tb_next  # our own frames say nothing about the user's failure
+    exc.__traceback__ = tb
+    if hint:
+        # A note on the cause (Python shows it under the exception from 3.11 on), and a
+        # line of the message, so str(WorkerError) says it under every Python.
+        exc.__notes__ = [*getattr(exc, "__notes__", ()), hint]
+    blob, type_name, message, tb_text = pack_exception(exc)
+    if hint:
+        message = f"{message}\n{hint}"
+    # Sent first: writing to stderr can fail (sys.stderr is None in daemonised code, fd
+    # 2 may be closed) or block, and the exception must travel whatever it does.
+    _send(sock, Raised(blob, type_name, message, tb_text, exitcode, time.time()))
+    if show:
+        try:
+            sys.stderr.write(tb_text)
+            sys.stderr.flush()
+        except BaseException:  # noqa: BLE001 - it was sent; the copy on stderr is extra
+            pass
+
+
+def _flush_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+    try:
+        # C stdio (printf from extensions) buffers too, and os._exit does not flush it.
+        linux._c().fflush(None)
+    except BaseException:  # noqa: BLE001
+        pass
+
+
+def _run_script(target: str, kind: str):
+    """Run a script (kind 'path') or module (kind 'module') as __main__, as `python
+    script.py` would."""
+    import runpy
+    from .._wire.mainmod import guard_script_children
+    guard_script_children()   # its DataLoader workers must not run it again
+    if kind == "module":
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+        runpy.run_path(target, run_name="__main__")
+    return None
+
+
+# -- exec'd ranks (start_method="spawn") -----------------------------------------------
+
+def exec_main() -> None:
+    """Entry point of a rank started as a fresh interpreter."""
+    import pickle
+    spec_fd = int(sys.argv[1])
+    start = pickle.loads(linux.read_all_fd(spec_fd))   # an ExecRank (_wire.messages)
+    os.close(spec_fd)
+    sys.argv[:] = [sys.argv[0]]
+    run_rank(start.spec, start.fds, start.parent)

@@ -1,0 +1,162 @@
+"""The protocol between mplaunch's three processes: every message that crosses a process
+boundary, one small typed record each, and the constants both ends must agree on.
+
+Three links carry them (framing in _wire.channel):
+
+- the *lifeline* (launching process <-> server, one per server): :class:`OpenChannel`
+  one way, :class:`Hello` the other;
+- a *launch channel* (launching process <-> server, one per group of ranks): the
+  requests :class:`StartRank`, :class:`SignalGroups`, :class:`SignalRanks`,
+  :class:`Watch`, :class:`Unwatch`, :class:`Sweep`; the server's reports
+  :class:`Started`, :class:`StartFailed`, :class:`Exited`, :class:`Swept`. Inside the
+  server, :class:`BecomeRank` hands a spec to an idle pre-forked child, and
+  :class:`ExecRank` to a fresh interpreter (start_method="spawn");
+- a rank's *result socket* (rank <-> launching process): the rank answers each call
+  with :class:`Returned` or :class:`Raised`, or with a result pickled with its tensors in
+  shared memory (:data:`RESULT_TAG`); a World's rank gets each further call as
+  :data:`CALL_TAG` with the payload's fd.
+
+Records are NamedTuples, so they pickle small and fast (the class by reference, the
+fields as a tuple) and every reader names the field it wants. Each carries its ``tag``
+(for logs and the docs); readers dispatch on the type. Both ends of every link run the
+same mplaunch, so the records may change between versions: none is ever stored.
+"""
+from __future__ import annotations
+
+import signal
+from typing import Any, Dict, NamedTuple, Optional, Tuple
+
+from .spec import RankSpec
+
+# Sent by the launching process to ask a rank for its Python stack: faulthandler answers
+# it at C level, even while the rank is blocked inside a gloo collective.
+STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
+
+# Exit codes of a rank that the launching process reads as a reason.
+EXIT_ERROR = 1          # the function raised (its Raised message says what)
+EXIT_PARENT_GONE = 70   # the server died before the rank could arm its death signal
+
+# Tags of the framed messages on a rank's result socket (first byte of each frame).
+RESULT_TAG = b"o"       # a return value, pickled with its tensors' fds (_wire.payload)
+MESSAGE_TAG = b"p"      # a pickled record of this module (Returned or Raised)
+CALL_TAG = b"c"         # launching process -> a World's rank: run the attached payload
+
+
+# -- the lifeline ----------------------------------------------------------------------
+
+class OpenChannel(NamedTuple):
+    """Launching process -> server: a new launch channel; its socket is the one fd."""
+    tag = "channel"
+
+
+class Hello(NamedTuple):
+    """Server -> launching process, once: ready to fork ranks."""
+    tag = "hello"
+    pid: int
+    preload_errors: Dict[str, str]   # module -> why it could not be imported
+    threads: int                     # threads alive in the server (forking needs 1)
+
+
+# -- a launch channel: requests --------------------------------------------------------
+
+class StartRank(NamedTuple):
+    """Start a rank from `spec`; the rank's fds (_wire.channel.RANK_FDS) are attached."""
+    tag = "start"
+    token: int          # echoed in Started / StartFailed (the rank's local rank)
+    spec: RankSpec
+
+
+class SignalGroups(NamedTuple):
+    """`signo` to each of these ranks and its whole process group (None: every rank of
+    this channel)."""
+    tag = "signal"
+    signo: int
+    pids: Optional[Tuple[int, ...]]
+
+
+class SignalRanks(NamedTuple):
+    """`signo` to these ranks' processes alone (a stack dump request)."""
+    tag = "kill"
+    signo: int
+    pids: Tuple[int, ...]
+
+
+class Watch(NamedTuple):
+    """A rank the launching process forked itself (start_method="fork"): the server
+    kills it with the channel's other ranks if the launching process dies."""
+    tag = "watch"
+    pid: int
+
+
+class Unwatch(NamedTuple):
+    """That forked rank has been reaped; its pid is no longer ours to kill."""
+    tag = "unwatch"
+    pid: int
+
+
+class Sweep(NamedTuple):
+    """Kill every orphan below the server (what dead ranks left), then answer Swept."""
+    tag = "sweep"
+
+
+# -- a launch channel: reports ---------------------------------------------------------
+
+class Started(NamedTuple):
+    tag = "started"
+    token: int
+    pid: int
+
+
+class StartFailed(NamedTuple):
+    tag = "error"
+    token: int
+    reason: str
+
+
+class Exited(NamedTuple):
+    """A rank of this channel was reaped by the server."""
+    tag = "exited"
+    pid: int
+    status: int         # raw wait status
+
+
+class Swept(NamedTuple):
+    tag = "swept"
+    killed: int
+
+
+# -- inside the server -----------------------------------------------------------------
+
+class BecomeRank(NamedTuple):
+    """Server -> an idle pre-forked child: become this rank (its fds attached)."""
+    tag = "run"
+    spec: RankSpec
+
+
+class ExecRank(NamedTuple):
+    """Server -> a rank it execs (start_method="spawn"), in a memfd named on the new
+    interpreter's command line: what it needs to become the rank."""
+    tag = "exec"
+    spec: RankSpec
+    fds: Dict[str, int]     # RANK_FDS name -> fd number, inherited across the exec
+    parent: int             # the server's pid: the rank checks it is still its parent
+
+
+# -- a rank's result socket ------------------------------------------------------------
+
+class Returned(NamedTuple):
+    """The call returned `value` (small values; see RESULT_TAG for the others)."""
+    tag = "ok"
+    value: Any
+
+
+class Raised(NamedTuple):
+    """The call raised. The exception travels three ways, so that something always
+    arrives: pickled with its frames (`blob`, None if it would not pickle), and as text."""
+    tag = "err"
+    blob: Optional[bytes]
+    type_name: str
+    message: str
+    traceback: Optional[str]
+    exitcode: int
+    timestamp: float    # time.time() when it was raised

@@ -1,0 +1,43 @@
+"""What travels from the launching process to a rank before it runs anything: the
+RankSpec (its environment, cwd, import path and role) and, for the mplaunch command, the
+Script it runs instead of a function. Read by the server and the rank, so it lives on the
+wire, apart from the validation that builds it (_engine.config).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class Script:
+    """A script (``kind="path"``) or module (``kind="module"``) each rank runs as
+    ``__main__`` instead of a function: what the ``mplaunch`` command launches."""
+    target: str
+    kind: str
+    argv: Tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything one rank's process needs to become that rank; sent to the server and
+    read by the worker."""
+    rank: int
+    local_rank: int
+    node_rank: int
+    hostname: str
+    env: Dict[str, str]
+    cwd: str
+    sys_path: Tuple[str, ...]
+    script: Optional[Script] = None
+    fresh_interpreter: bool = False    # start_method="spawn": exec a new Python
+    serve: bool = False                # stays up for more calls (a World's rank)
+    # {"stdout": bool, "stderr": bool}: whether each relayed stream ends on a terminal
+    terminal: Optional[Dict[str, bool]] = None
+
+    def prefix(self, template: str) -> str:
+        """The relay prefix of this rank's lines, from the launch's template."""
+        if not template:
+            return ""
+        return template.format(rank=self.rank, local_rank=self.local_rank,
+                               node_rank=self.node_rank, host=self.hostname)

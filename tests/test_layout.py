@@ -1,0 +1,240 @@
+"""The shape of the package: which process's code may import what, what importing mplaunch
+costs, and that the public surface is still there when nothing is imported eagerly.
+
+mplaunch is three programs and the contract between them. The folders say which is which:
+
+- ``_wire``: what crosses a process boundary (messages, framing, specs, payloads,
+  exceptions, stacks, Linux primitives). Imports nothing else of mplaunch but ``errors``.
+- ``_rank``: the rank and its own children. Imports ``_wire`` and ``errors`` only, so a
+  DataLoader worker of a rank never loads the launching side.
+- ``_server``: the warm server. Its forked children become ranks, so it may import
+  ``_rank`` as well.
+- ``_engine``: the launching process's machinery. Imports ``_wire`` and ``errors``; the one
+  exception is the fork spawner, whose child *is* a rank.
+- the front-ends (``_launch``, ``_handle``, ``_world``, ``_magic``, ``_cli``, the pytest
+  plugin) sit on top and may import anything.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+import mplaunch
+
+PKG = os.path.dirname(os.path.abspath(mplaunch.__file__))
+ROOT = os.path.dirname(PKG)
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+no_torch = pytest.mark.no_torch
+
+# layer -> the layers it may import (itself always)
+ALLOWED = {
+    "errors": {"_wire"},
+    "_wire": {"errors"},
+    "_rank": {"_wire", "errors"},
+    "_server": {"_wire", "_rank", "errors"},
+    "_engine": {"_wire", "errors"},
+}
+# (importing module, imported module): the exceptions, each with its reason
+EXCEPTIONS = {
+    # start_method="fork": the forked child of the launching process becomes the rank
+    ("mplaunch._engine.spawners", "mplaunch._rank.worker"),
+}
+
+
+def _modules():
+    for dirpath, _dirs, files in os.walk(PKG):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                yield rel.removesuffix(".__init__"), path
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _is_module(dotted: str) -> bool:
+    base = os.path.join(ROOT, *dotted.split("."))
+    return os.path.exists(base + ".py") or os.path.exists(os.path.join(base, "__init__.py"))
+
+
+def _imports(module: str, path: str):
+    """Every mplaunch module `module` imports, at any depth of its code."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    is_pkg = path.endswith("__init__.py")
+    package = module if is_pkg else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("mplaunch."):
+                    yield alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target != "mplaunch" and not target.startswith("mplaunch."):
+                continue
+            yield target
+            for alias in node.names:  # `from .._engine import servers`: a submodule
+                sub = f"{target}.{alias.name}"
+                if _is_module(sub):
+                    yield sub
+
+
+@no_torch
+def test_each_process_imports_only_what_its_layer_may():
+    bad = []
+    for module, path in _modules():
+        layer = _layer(module)
+        if layer not in ALLOWED:
+            continue  # a front-end
+        for target in _imports(module, path):
+            tlayer = _layer(target)
+            if tlayer == layer or tlayer in ALLOWED[layer] or tlayer == "__version__":
+                continue
+            if (module, target) in EXCEPTIONS:
+                continue
+            bad.append(f"{module} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+@no_torch
+def test_the_rule_checker_sees_relative_and_nested_imports(tmp_path):
+    # A checker that finds nothing proves nothing: feed it the shapes the rules forbid.
+    src = tmp_path / "m.py"
+    src.write_text("from ..errors import X\nfrom .._engine import servers\n"
+                   "def f():\n    from .._engine.group import RankGroup\n")
+    found = set(_imports("mplaunch._rank.m", str(src)))
+    assert found == {"mplaunch.errors", "mplaunch._engine", "mplaunch._engine.servers",
+                     "mplaunch._engine.group"}
+
+
+def _run(code: str, env=None) -> str:
+    full_env = dict(os.environ, PYTHONPATH=ROOT)
+    full_env.update(env or {})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=full_env, timeout=120, check=True)
+    return out.stdout
+
+
+_LOADED = ("import json, sys; print(json.dumps(sorted(m for m in sys.modules "
+           "if m == 'mplaunch' or m.startswith('mplaunch.'))))")
+
+
+@no_torch
+def test_import_mplaunch_imports_nothing_of_it_but_the_package():
+    assert json.loads(_run("import mplaunch; " + _LOADED)) == ["mplaunch"]
+    heavy = json.loads(_run("import mplaunch; " + _LOADED.replace(
+        "if m", "if m.split('.')[0] in ('torch', 'cloudpickle', 'tblib', 'numpy') or m")))
+    assert heavy == ["mplaunch"]
+
+
+@no_torch
+def test_loading_the_pytest_plugin_imports_nothing_else_of_mplaunch():
+    loaded = json.loads(_run("import pytest, mplaunch.pytest_plugin; " + _LOADED))
+    assert loaded == ["mplaunch", "mplaunch.pytest_plugin"]
+
+
+@no_torch
+def test_public_names_resolve_lazily_and_are_listed():
+    code = ("import mplaunch, json; names = dir(mplaunch); "
+            "print(json.dumps([names, [getattr(mplaunch, n).__name__ for n in "
+            "mplaunch.__all__ if n != '__version__']]))")
+    names, resolved = json.loads(_run(code))
+    for name in mplaunch.__all__ + ["load_ipython_extension", "unload_ipython_extension"]:
+        assert name in names
+    assert resolved == [n for n in mplaunch.__all__ if n != "__version__"]
+    with pytest.raises(AttributeError, match="no attribute 'lunch'"):
+        mplaunch.lunch  # noqa: B018
+
+
+@no_torch
+def test_help_shows_the_public_functions():
+    text = _run("import mplaunch, pydoc; print(pydoc.render_doc(mplaunch, renderer=pydoc.plaintext))")
+    for name in ("launch(func", "start(func", "class World", "class WorkerError", "rank_state"):
+        assert name in text, name
+
+
+@no_torch
+def test_errors_pickled_by_the_flat_layout_still_load():
+    # Made by the last version before the folders (c5fce2f) from real launches: a rank that
+    # raised, a timeout with two stuck ranks, and errors built by hand.
+    with open(os.path.join(DATA, "errors-c5fce2f.pickle"), "rb") as f:
+        old = pickle.load(f)
+    for key in ("timeout", "main", "remote"):
+        assert str(old[key]) == old["texts"][key]
+    # (the failing line's path is shown relative to the current directory)
+    assert str(old["worker"]).split(" (at ")[0] == old["texts"]["worker"].split(" (at ")[0]
+    worker = old["worker"]
+    assert isinstance(worker, mplaunch.WorkerError) and worker.rank == 1
+    assert worker.failures[0].exc_type == "ValueError"
+    timeout = old["timeout"]
+    assert isinstance(timeout, mplaunch.LaunchTimeout) and sorted(timeout.stacks) == [0, 1]
+    assert old["main"].signal_no == 2
+    assert old["failure"].signal == "SIGKILL" and old["failure"].rank == 3
+    assert pickle.loads(pickle.dumps(worker)).failures == worker.failures
+
+
+def _sizes():
+    for module, path in _modules():
+        with open(path) as f:
+            text = f.read()
+        tree = ast.parse(text, path)
+        yield module, "module", len(text.splitlines())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                yield f"{module}.{node.name}", "class", node.end_lineno - node.lineno + 1
+
+
+@no_torch
+def test_no_module_or_class_has_grown_past_what_one_reader_holds():
+    limits = {"module": 450, "class": 320}
+    big = [f"{name}: {kind} of {n} lines" for name, kind, n in _sizes() if n > limits[kind]]
+    assert not big, "split these (see docs/how-it-works.rst for the layout):\n" + "\n".join(big)
+
+
+_CHILD_PROBE = r"""
+import json, multiprocessing as mp, os, sys
+import mplaunch
+
+def child(q):
+    q.put(sorted(m for m in sys.modules if m == "mplaunch" or m.startswith("mplaunch.")))
+
+def rank():
+    ctx = mp.get_context(os.environ["PROBE_CONTEXT"])
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    mods = q.get(timeout=120)
+    p.join()
+    return mods
+
+if __name__ == "__main__":
+    print(json.dumps(mplaunch.launch(rank, nprocs=1)[0]))
+"""
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_a_ranks_children_rebuild_main_without_the_launching_side(tmp_path, context):
+    script = tmp_path / "probe.py"
+    script.write_text(_CHILD_PROBE)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=ROOT,
+                                                PROBE_CONTEXT=context))
+    assert out.returncode == 0, out.stderr
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "mplaunch._wire.mainmod" in loaded
+    outside = [m for m in loaded if _layer(m) not in ("__init__", "_rank", "_wire", "errors")]
+    assert not outside, outside
