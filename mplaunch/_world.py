@@ -16,8 +16,8 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVa
 
 from ._engine import servers, signals
 from ._engine.attempt import Attempt
-from ._engine.config import (LaunchConfig, check_backend, check_call, seconds, validate,
-                             with_streams)
+from ._engine.checks import check_backend
+from ._engine.config import LaunchConfig, check_call, seconds, validate, with_streams
 from ._engine.outcome import results_or_raise
 from ._engine.session import Session
 from ._wire import linux

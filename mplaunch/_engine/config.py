@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 from . import servers
+from .checks import check_nprocs_limit, log_dir, working_directory
 from .env import cpu_count, rank_env, user_env_for
 from .slurm import layout as slurm_layout
 from .terminal import check_stdin_rank
@@ -151,21 +152,9 @@ def validate(func: Callable[..., Any], args: Any, nprocs: Any,
         prefix=_prefix(o["prefix"]),
         relay=bool(o["relay"]),
         ranks_filter=_ranks_filter(o["ranks_filter"], nprocs),
-        log_dir=_log_dir(o["log_dir"]),
+        log_dir=log_dir(o["log_dir"]),
         user_envs=user_envs, stdin_rank=stdin_rank, script=script,
         stdout=sys.stdout, stderr=sys.stderr)
-
-
-def working_directory() -> str:
-    """The directory each rank starts in: the caller's, which must still exist."""
-    try:
-        return os.getcwd()
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            "mplaunch cannot launch from this process's current working directory: it "
-            "no longer exists (it was deleted). Each rank starts in the caller's working "
-            "directory, and torch cannot even be imported in a deleted one. os.chdir() "
-            "to a directory that exists, then launch again") from None
 
 
 def with_streams(cfg: LaunchConfig) -> LaunchConfig:
@@ -182,46 +171,8 @@ def resolve_nprocs(nprocs: Any) -> int:
         return auto_nprocs()
     if not _is_int(nprocs) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int or 'auto', got {nprocs!r}")
-    limit, why = max_nprocs()
-    if nprocs > limit:
-        raise ValueError(
-            f"nprocs={nprocs} is more ranks than mplaunch starts on one node without being "
-            f"told: at most {limit} ({why}). Each rank is a process with its own Python "
-            f"and torch, so this many would exhaust the machine long before they ran. "
-            f"If you mean it, set the environment variable {MAX_NPROCS_ENV} to the "
-            f"largest nprocs to allow")
+    check_nprocs_limit(nprocs)
     return int(nprocs)
-
-
-MAX_NPROCS_ENV = "MPLAUNCH_MAX_NPROCS"
-
-
-def max_nprocs() -> Tuple[int, str]:
-    """The most ranks one node may start, and why: MPLAUNCH_MAX_NPROCS, else 32 per
-    CPU (at least 256), bounded by this user's process limit and the kernel's pid_max."""
-    raw = os.environ.get(MAX_NPROCS_ENV)
-    if raw is not None:
-        if not raw.strip().isdigit() or int(raw) < 1:
-            raise ValueError(f"{MAX_NPROCS_ENV} must be a positive int (the most ranks "
-                             f"one node may start), got {raw!r}")
-        return int(raw), f"{MAX_NPROCS_ENV}={raw.strip()}"
-    cpus = os.cpu_count() or 1
-    limit, why = max(256, 32 * cpus), f"32 per CPU, {cpus} CPUs here, at least 256"
-    try:
-        import resource
-        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
-        if soft != resource.RLIM_INFINITY and 0 < soft < limit:
-            limit, why = soft, f"RLIMIT_NPROC (ulimit -u) is {soft}"
-    except (ImportError, AttributeError, OSError, ValueError):
-        pass
-    try:
-        with open("/proc/sys/kernel/pid_max") as f:
-            pid_max = int(f.read())
-        if pid_max // 2 < limit:
-            limit, why = pid_max // 2, f"half of the kernel's pid_max {pid_max}"
-    except (OSError, ValueError):
-        pass
-    return limit, why
 
 
 def auto_nprocs() -> int:
@@ -321,52 +272,6 @@ def seconds(name: str, value, optional: bool = False):
     if optional and math.isinf(value):
         return None
     return value
-
-
-def _log_dir(log_dir) -> Optional[str]:
-    """A directory that exists and is writable, or can be created: checked now, before
-    the server or any rank starts (nothing is created yet)."""
-    if log_dir is None:
-        return None
-    if not isinstance(log_dir, (str, os.PathLike)):
-        raise TypeError(f"log_dir must be a directory path (a str or os.PathLike), or "
-                        f"None for no log files; got {type(log_dir).__name__} {log_dir!r}")
-    path = os.fspath(log_dir)
-    if isinstance(path, bytes):
-        path = os.fsdecode(path)
-    if not path:
-        raise ValueError("log_dir must be a directory path, got ''; use None for no logs")
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ValueError(f"log_dir {path!r} is not a directory: {existing!r} is a file; "
-                         f"name a directory (it is created if missing)")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"log_dir {path!r} is not writable: this process may not write "
-                         f"in {existing!r}; name a directory it may write in")
-    return path
-
-
-def check_backend(backend) -> None:
-    """A World's ``backend``: None, or a backend torch.distributed knows ("gloo",
-    "nccl", ..., or "cpu:gloo,cuda:nccl"); checked without initialising CUDA."""
-    if backend is None:
-        return
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str such as 'gloo' or 'nccl', or None, "
-                        f"got {backend!r}")
-    try:
-        from torch.distributed import Backend
-        known = [b for b in Backend.backend_list if b != Backend.UNDEFINED]
-    except Exception:  # noqa: BLE001 - no torch.distributed here: the ranks will say
-        return
-    for part in backend.split(","):
-        name = part.rpartition(":")[2].strip().lower()
-        if name not in known:
-            raise ValueError(f"backend {backend!r} is not a torch.distributed backend "
-                             f"here; use one of {', '.join(map(repr, known))} (or a "
-                             f"device mapping such as 'cpu:gloo,cuda:nccl'), or None")
 
 
 def _preload(preload) -> Tuple[str, ...]:
