@@ -239,6 +239,52 @@ def test_fork_rank_daemon_does_not_outlive_launch(tmp_path, fail):
         assert bystander.wait(10) == -signal.SIGKILL
 
 
+BYSTANDER = r"""
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(child.pid))
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.01)
+"""   # then exits: its child is orphaned while a fork launch runs
+
+
+def _orphan_a_bystanders_child(go, bystander):
+    open(go, "w").close()
+    while not _gone(bystander):
+        time.sleep(0.01)
+    return "orphaned"
+
+
+def test_fork_launch_leaves_orphans_of_the_users_own_children_alone(tmp_path):
+    childfile, go = str(tmp_path / "child.pid"), str(tmp_path / "go")
+    bystander = subprocess.Popen([sys.executable, "-c", BYSTANDER, childfile, go],
+                                 start_new_session=True)
+    grandchild = None
+    try:
+        while not os.path.exists(childfile):
+            time.sleep(0.01)
+        with open(childfile) as f:
+            grandchild = int(f.read())
+        assert mplaunch.launch(_orphan_a_bystanders_child, (go, bystander.pid), nprocs=1,
+                               start_method="fork") == ["orphaned"]
+        # Adopted by this process while it was a subreaper, but not the launch's to kill.
+        assert not _gone(grandchild)
+    finally:
+        bystander.wait(30)
+        if grandchild is not None:
+            try:
+                os.kill(grandchild, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                if psutil.Process(grandchild).ppid() == os.getpid():
+                    os.waitpid(grandchild, 0)
+            except psutil.NoSuchProcess:
+                pass
+
+
 def test_subreaper_setting_is_restored_after_a_fork_launch():
     from mplaunch._wire import linux as _sys
     before = _sys.get_child_subreaper()

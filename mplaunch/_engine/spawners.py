@@ -238,13 +238,23 @@ def _adopt_end() -> None:
 
 def adopted_orphans(before) -> list:
     """Children of this process that a forked rank's descendants left to it: new since
-    the first forked rank started, not a warm server, and not in this process's group
-    (a rank leads a group of its own, a daemon a session; what this process starts
-    itself is in its group unless asked otherwise)."""
+    the first forked rank started, not a warm server, and neither in this process's
+    group nor in a group or session led by one of its earlier children (a rank leads a
+    group of its own, a daemon a session; what this process and its other children
+    start is in their groups and sessions unless asked otherwise)."""
     me, group = os.getpid(), os.getpgid(0)
     warm = set(servers.server_pids())
-    return [pid for pid in linux.children_of(me)
-            if pid not in before and pid not in warm and linux.pgid_of(pid) != group]
+    out = []
+    for pid in linux.children_of(me):
+        if pid in before or pid in warm:
+            continue
+        try:
+            pgid, sid = os.getpgid(pid), os.getsid(pid)
+        except OSError:
+            continue
+        if pgid != group and pgid not in before and sid not in before:
+            out.append(pid)
+    return out
 
 
 def kill_adopted_orphans(before) -> int:
