@@ -234,13 +234,13 @@ class ResultPickler(cloudpickle.Pickler):
         return False
 
     def persistent_id(self, obj):
-        t = type(obj)
-        if t is bytes or t is bytearray:
+        cls = type(obj)
+        if cls is bytes or cls is bytearray:
             if len(obj) < _SHM_MIN_BYTES:
                 return None
-            return ("mplaunch." + t.__name__, self._memfd(memoryview(obj)), len(obj))
+            return ("mplaunch." + cls.__name__, self._memfd(memoryview(obj)), len(obj))
         torch = sys.modules.get("torch")
-        if torch is None or t not in (torch.Tensor, torch.nn.Parameter):
+        if torch is None or cls not in (torch.Tensor, torch.nn.Parameter):
             return None
         if not _shareable(torch, obj):
             return None
