@@ -249,15 +249,16 @@ def _send_exception(sock, exc: BaseException, exitcode: int, show: bool = True,
     blob, type_name, message, tb_text = pack_exception(exc)
     if hint:
         message = f"{message}\n{hint}"
-    # Sent first: writing to stderr can fail (sys.stderr is None in daemonised code, fd
-    # 2 may be closed) or block, and the exception must travel whatever it does.
-    _send(sock, Raised(blob, type_name, message, tb_text, exitcode, time.time()))
     if show:
+        # The copy on stderr goes first: once the exception is sent, the parent may tear
+        # this rank down before it is written. But stderr may be unusable (None in
+        # daemonised code, fd 2 closed): nothing that happens here may stop the sending.
         try:
             sys.stderr.write(tb_text)
             sys.stderr.flush()
-        except BaseException:  # noqa: BLE001 - it was sent; the copy on stderr is extra
+        except BaseException:  # noqa: BLE001 - the exception itself is sent below
             pass
+    _send(sock, Raised(blob, type_name, message, tb_text, exitcode, time.time()))
 
 
 def _flush_streams() -> None:
