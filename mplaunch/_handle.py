@@ -105,7 +105,7 @@ class Handle(Generic[T]):
         return f"<mplaunch.Handle {state}>"
 
 
-def start(func: Callable[..., T], args: Any = (), nprocs: Any = 1,
+def start(func: Callable[..., T], args: Any = (), nprocs: Any = None,
           **options: Any) -> Handle[T]:
     """Start ``func(*args, **kwargs)`` in ``nprocs`` ranks and return at once with a
     :class:`Handle`; ``start(...).result()`` is ``launch(...)``. Takes every keyword

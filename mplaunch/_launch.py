@@ -15,7 +15,7 @@ T = TypeVar("T")
 def launch(
     func: Callable[..., T],
     args: Sequence[Any] = (),
-    nprocs: Union[int, str] = 1,
+    nprocs: Union[int, str, None] = None,
     *,
     kwargs: Optional[Mapping[str, Any]] = None,
     start_method: Optional[str] = None,
@@ -33,6 +33,9 @@ def launch(
     nnodes: Optional[int] = None,
     node_rank: Optional[int] = None,
     stdin_rank: Optional[int] = 0,
+    backend: Optional[str] = None,
+    gpus: Union[None, str, Sequence[int]] = None,
+    cpus: Optional[str] = None,
 ) -> List[T]:
     """Run ``func(*args, **kwargs)`` in ``nprocs`` new processes and return their results.
 
@@ -61,9 +64,10 @@ def launch(
         args, kwargs: what ``func`` is called with; pickled once, here, before any
             process starts.
         nprocs: number of ranks on this node, or ``"auto"``: one per visible GPU, else
-            one per CPU this process may use. At most 32 per CPU (at least 256), and
-            no more than the process limit (``ulimit -u``) or half the kernel's
-            ``pid_max``; set ``MPLAUNCH_MAX_NPROCS`` to allow more.
+            one per CPU this process may use. Default: one per entry of a ``gpus``
+            list, else 1. At most 32 per CPU (at least 256), and no more than the
+            process limit (``ulimit -u``) or half the kernel's ``pid_max``; set
+            ``MPLAUNCH_MAX_NPROCS`` to allow more.
         start_method: ``"forkserver"`` (default: ranks are forked from a warm server
             process that has imported torch, never the caller's process), ``"spawn"``
             (each rank a fresh interpreter) or ``"fork"`` (a fork of the caller; refused
@@ -103,6 +107,19 @@ def launch(
             so ``breakpoint()`` and ``input()`` work there; ``None`` for none. The other
             ranks, and every rank when stdin is not a terminal (pytest, a notebook, a
             CI job), read ``/dev/null``.
+        backend: each rank calls ``torch.distributed.init_process_group(backend)``
+            before ``func`` and ``destroy_process_group()`` after it (also after a
+            failure, once the failure is reported). On CUDA (``"nccl"``,
+            ``"cpu:gloo,cuda:nccl"``) each rank first selects its GPU and binds the group
+            to it (``device_id``); more ranks than GPUs is refused.
+        gpus: ``None``: the ranks see this process's GPUs (rank ``LOCAL_RANK`` uses
+            device ``LOCAL_RANK``); ``"per-rank"``: each rank sees one GPU, the
+            ``LOCAL_RANK``-th of this process's (its ``CUDA_VISIBLE_DEVICES`` entries
+            as written); a list such as ``[2, 0]``: those positions of the visible
+            list, one per rank. See :doc:`gpus`.
+        cpus: ``"per-rank"``: this process's allowed CPUs split into disjoint slices,
+            one per rank (within one NUMA node each, its GPU's with ``gpus``), applied
+            before ``func`` runs; ``OMP_NUM_THREADS`` is the slice's size unless set.
 
     Raises:
         WorkerError: a rank failed; the first failure's details are its attributes and

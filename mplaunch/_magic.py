@@ -138,6 +138,8 @@ class _Done(Exception):
 def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     import argparse
 
+    from ._placement_flags import placement_flags
+
     class _Parser(argparse.ArgumentParser):
         def error(self, message):
             raise _Usage(f"{self.prog}: {message}")
@@ -167,6 +169,7 @@ def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                        help="also write each rank's output to files in this directory")
     start.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                        help="an environment variable for every rank (repeatable)")
+    placement_flags(start)
     sub.add_parser("stop", help="end every rank")
     sub.add_parser("restart", help="end the ranks and start fresh ones, same settings")
     push = sub.add_parser("push", help="copy notebook variables into every rank's "
@@ -178,7 +181,16 @@ def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     cell = _Parser(prog="%%ranks", description="Run the cell in every rank.")
     cell.add_argument("--timeout", type=float, default=None,
                       help="seconds this cell may run (default: the world's)")
+    placement_flags(cell, " (the world is restarted with it if it differs)")
     return line, cell
+
+
+def _placement(args, command: str) -> Dict[str, Any]:
+    from ._placement_flags import placement_settings
+    try:
+        return placement_settings(args, command)
+    except ValueError as exc:
+        raise _Usage(str(exc)) from None
 
 
 def _default_backend() -> Optional[str]:
@@ -247,7 +259,8 @@ class _Ranks:
         s = self.settings
         what = f"{s['nprocs']} ranks, backend {s['backend'] or 'none'}"
         if self.world is not None and self.world.pids:
-            return f"{what}: up, pids {self.world.pids}"
+            from ._placement_flags import placement_lines
+            return f"{what}: up, pids {self.world.pids}\n" + placement_lines(self.world)
         if self.torn_down:
             return f"{what}: torn down ({self.torn_down}); the next %%ranks cell starts " \
                    "fresh ranks"
@@ -265,6 +278,10 @@ class _Ranks:
             value = getattr(args, key)
             if value is not None:
                 settings[key] = value
+        settings.update(_placement(args, "%ranks start"))
+        if "gpus" in settings and isinstance(settings["gpus"], list) \
+                and args.nprocs is None:
+            settings["nprocs"] = len(settings["gpus"])
         if args.env:
             env = {}
             for item in args.env:
@@ -323,6 +340,12 @@ class _Ranks:
             error = None
         if error is not None:
             raise error.with_traceback(None)  # the cell's line, not ours or ast's
+        placement = _placement(args, "%%ranks")
+        if any(self.settings.get(k) != v for k, v in placement.items()):
+            self.settings.update(placement)
+            if isinstance(placement.get("gpus"), list):
+                self.settings["nprocs"] = len(placement["gpus"])
+            self.stop(quiet=True)   # the next _run starts ranks placed so
         self._run(exec, (_Cell(filename, shown, 1, body), _MainNamespace()), args.timeout,
                   cell=True)
 

@@ -54,7 +54,7 @@ def run_test(pyfuncitem, opts: dict) -> bool:
         if reuse:
             _reused_world(pyfuncitem.config).run(blob, settings, backend, opts)
         else:
-            _launch(_run_in_rank, (blob, backend, settings), **opts)
+            _launch(_run_in_rank, (blob, settings), backend=backend, **opts)
     except MainProcessError as err:
         if err.signal_name == "SIGINT":
             raise KeyboardInterrupt from err  # Ctrl-C ends the session, as without us

@@ -16,10 +16,10 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVa
 
 from ._engine import servers, signals
 from ._engine.attempt import Attempt
-from ._engine.checks import check_backend
 from ._engine.config import LaunchConfig, check_call, seconds, validate, with_streams
 from ._engine.outcome import results_or_raise
 from ._engine.session import Session
+from ._rank import procgroup
 from ._wire import linux
 from ._wire.payload import dumps_payload
 
@@ -33,9 +33,7 @@ _open: "Set[World]" = set()
 
 
 def _setup_rank(backend: Optional[str]) -> None:
-    if backend:
-        import torch.distributed as dist
-        dist.init_process_group(backend)
+    procgroup.setup(backend)   # made already when the rank's spec named it
 
 
 class World:
@@ -45,8 +43,10 @@ class World:
     ``backend=``) the process group stay for the next ``run``.
 
     Takes the keyword arguments of :func:`mplaunch.launch` (``timeout`` applies to each
-    run). The ranks start at the first ``run`` (or ``start()``); with ``backend`` each
-    has called ``torch.distributed.init_process_group(backend)`` before it. A failing
+    run), ``gpus=`` and ``cpus=`` included. The ranks start at the first ``run`` (or
+    ``start()``); with ``backend`` each has called
+    ``torch.distributed.init_process_group(backend)`` before it (on CUDA, on its own
+    GPU: see :doc:`gpus`). A failing
     run raises as ``launch`` does and tears the world down; the next ``run`` starts
     fresh ranks. ``restart()`` does so on purpose. ``close()`` (or leaving the ``with``
     block) ends every process; a world left open is closed at interpreter exit.
@@ -54,11 +54,12 @@ class World:
 
     __module__ = "mplaunch"
 
-    def __init__(self, nprocs: Any = 1, backend: Optional[str] = None, **options: Any):
+    def __init__(self, nprocs: Any = None, backend: Optional[str] = None,
+                 **options: Any):
         if "kwargs" in options:
             raise TypeError("World takes no kwargs=; pass them to run()")
-        check_backend(backend)
-        self.cfg: LaunchConfig = validate(_setup_rank, (backend,), nprocs, options)
+        self.cfg: LaunchConfig = validate(_setup_rank, (backend,), nprocs,
+                                          dict(options, backend=backend))
         if self.cfg.nnodes > 1:
             raise ValueError("a World runs on one node; for several nodes use launch()")
         if self.cfg.max_restarts:

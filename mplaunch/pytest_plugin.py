@@ -24,6 +24,10 @@ Assertions in the ranks are pytest's rewritten ones: the test module is pickled 
 compared values. ``pytest_assertrepr_compare`` hooks of conftest files do not run in
 the ranks; pytest's own detailed comparisons (lists, dicts, strings) do.
 
+``nprocs=[1, 2, 4]`` runs the test once per size (ids such as ``test_x[nprocs=2]``). A
+test whose ``backend`` is on CUDA (``"nccl"``), or that gives ``gpus=``, and needs more
+GPUs than the machine has is skipped with the counts, never failed.
+
 The ``mplaunch`` fixture is :func:`mplaunch.launch` with the test's defaults (``nprocs``
 and ``timeout`` from the marker, else from the ``mplaunch_nprocs`` and
 ``mplaunch_timeout`` ini options), for tests that launch their own functions.
@@ -58,8 +62,9 @@ _REUSED = pytest.StashKey["_ReusedWorld"]()
 _MARKER_HELP = (
     "mplaunch(nprocs=2, timeout=None, backend='gloo', reuse=False, **launch_kwargs): run "
     "the test body in nprocs ranks with torch.distributed initialised (backend=None: "
-    "not); reuse=True: in ranks kept up for the next test of the same options; the "
-    "other keywords go to mplaunch.launch")
+    "not); nprocs=[1, 2, 4]: once per size; reuse=True: in ranks kept up for the next "
+    "test of the same options; the other keywords (gpus=, cpus=, ...) go to "
+    "mplaunch.launch; a test needing more GPUs than the machine has is skipped")
 
 # Ranks unpickle the test with pytest already imported in the warm server: without it
 # every rank of every test would import pytest again.
@@ -86,10 +91,36 @@ def pytest_sessionfinish(session):
         reused.close()
 
 
+# -- sizes and GPUs (the parent's side of both is _pytest_sizes) -----------------------
+
+_SIZE = "_mplaunch_nprocs"   # the parametrized argument of a test with several sizes
+
+
+def pytest_generate_tests(metafunc):
+    markers = list(metafunc.definition.iter_markers("mplaunch"))
+    if markers:
+        from ._pytest_sizes import parametrize_sizes
+        parametrize_sizes(metafunc, markers, _ini_defaults(metafunc.config)["reuse"],
+                          _SIZE)
+
+
+@pytest.fixture(name=_SIZE)
+def _size(request):
+    return request.param
+
+
 def pytest_collection_modifyitems(session, config, items):
+    marked = [item for item in items if item.get_closest_marker("mplaunch")]
+    if marked:
+        from ._pytest_sizes import gpu_shortfall
+    for item in marked:
+        why = gpu_shortfall(_marker_options(item))
+        if why is not None:
+            # A mark, not a skip in setup: reported at the test, as any skip mark.
+            item.add_marker(pytest.mark.skip(reason=why))
     if config.option.collectonly:
         return
-    if any(item.get_closest_marker("mplaunch") for item in items):
+    if marked:
         # The server imports torch while the first tests run; get_server does not wait.
         from ._engine import servers
         servers.get_server(_preload_for(None))
@@ -129,6 +160,9 @@ def _marker_options(item) -> dict:
         if marker.args:
             opts["nprocs"] = marker.args[0]
         opts.update(marker.kwargs)
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and _SIZE in callspec.params:
+        opts["nprocs"] = callspec.params[_SIZE]
     opts["preload"] = _preload_for(opts.get("preload"))
     return opts
 

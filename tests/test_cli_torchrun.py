@@ -195,11 +195,28 @@ def test_torchrun_flags_ignored_with_a_note(argv, note):
     assert len(ns.notes) == 1 and ("note: " + ns.notes[0]).startswith(note), ns.notes
 
 
+@pytest.mark.parametrize("mode", ["node", "socket", "exclusive", "core-complex"])
+def test_numa_binding_is_cpus_per_rank(mode):
+    ns = _parse(["-n", "2", "--numa_binding", mode, "t.py"])
+    assert _cli._launch_kwargs(ns)["cpus"] == "per-rank"
+    assert len(ns.notes) == 1 and "is --cpus per-rank" in ns.notes[0], ns.notes
+    assert ("do not share" in ns.notes[0]) == (mode != "exclusive")
+
+
+def test_backend_gpus_and_cpus_flags_go_to_launch():
+    ns = _parse(["-n", "2", "--backend", "nccl", "--gpus", "1,0", "--cpus", "per-rank",
+                 "t.py"])
+    kw = _cli._launch_kwargs(ns)
+    assert (kw["backend"], kw["gpus"], kw["cpus"]) == ("nccl", [1, 0], "per-rank")
+    assert _cli._launch_kwargs(_parse(["-n", "2", "--gpus", "per-rank", "t.py"]))[
+        "gpus"] == "per-rank"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--no-python"], "--no-python is not supported: each rank runs Python"),
     (["--no_python"], "--no-python is not supported"),
-    (["--numa-binding", "node"], "--numa-binding is not supported: ranks are not bound"),
-    (["--virtual-local-rank"], "torch.cuda.set_device(LOCAL_RANK)"),
+    (["--virtual-local-rank"], "--gpus per-rank gives each rank one GPU"),
+    (["--numa-binding", "everywhere"], "torchrun's modes are node, socket, exclusive"),
     (["--logs-specs", "x"], "--log-dir DIR writes"),
     (["--duplicate-stdout-filters", "a,b"], "grep the --log-dir files"),
     (["--duplicate_stderr_filters", "a"], "grep the --log-dir files"),

@@ -190,7 +190,9 @@ def test_ranks_magic_in_a_kernel(kernel_config, tmp_path):
     assert out[0] == "%ranks: the world was torn down (rank 1 failed); starting fresh ranks"
     assert set(_pids(out[1])).isdisjoint(first_pids), out
     assert sorted(out[2:]) == ["[rank0]: x defined: False", "[rank1]: x defined: False"]
-    assert re.match(r"2 ranks, backend gloo: up, pids \{0: \d+, 1: \d+\}$",
+    # The world's line, then where each rank runs (test_magic_placement has the rest).
+    assert re.match(r"2 ranks, backend gloo: up, pids \{0: \d+, 1: \d+\}\n"
+                    r"  rank 0 \(pid \d+\): .*, CPUs .*\n  rank 1 \(pid \d+\): .*\n$",
                     _stream(cells["status"])), _stream(cells["status"])
 
     # The stop button: MainProcessError, and no rank left.

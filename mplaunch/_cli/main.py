@@ -20,6 +20,7 @@ from .targets import UsageError, prepare
 from .report import Shown, exit_code_of, flush_stdout, report_failure, say
 from .._engine.config import auto_nprocs, gpu_count
 from .._engine.env import cpu_count
+from .._placement_flags import argparse_type, parse_cpus_flag, parse_gpus_flag
 
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 124  # what timeout(1) uses
@@ -73,7 +74,8 @@ coming from torchrun:
   understood too: --standalone is mplaunch's default (one node, a free port);
   --rdzv-*, --monitor-interval, --role, --run-path, --local-addr and
   --event-log-handler are ignored with a note; --redirects 3 and --tee need --log-dir;
-  the rest (--no-python, --numa-binding, ...) are refused with what to use instead.
+  --numa-binding is --cpus per-rank; the rest (--no-python, ...) are refused with
+  what to use instead.
   mplaunch needs torch in this Python: it hosts the ranks' store with torch.distributed.
 """
 
@@ -213,6 +215,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-port", type=_port, default=None, metavar="PORT",
                    help="port of the store on node 0 (default: a free port, held for the "
                         "whole launch; required with --nnodes > 1)")
+    p.add_argument("--backend", default=None, metavar="BACKEND",
+                   help="each rank calls init_process_group(BACKEND) before the target and "
+                        "destroy_process_group after it: gloo, nccl (each rank on its own "
+                        "GPU), cpu:gloo,cuda:nccl")
+    p.add_argument("--gpus", type=argparse_type(parse_gpus_flag), default=None,
+                   metavar="per-rank|I,J,...",
+                   help="per-rank: each rank sees one GPU of this process's; I,J,...: "
+                        "those positions of its visible list, one per rank")
+    p.add_argument("--cpus", type=argparse_type(parse_cpus_flag), default=None, metavar="per-rank",
+                   help="per-rank: disjoint slices of this process's CPUs, one per rank "
+                        "(within a NUMA node; OMP_NUM_THREADS their size)")
     p.add_argument("--version", action="version", version=f"mplaunch {__version__}")
     p.add_argument("target", metavar="script|package.module:function",
                    help="what every rank runs, followed by its own arguments")
@@ -306,7 +319,7 @@ def _launch_kwargs(ns) -> dict:
     # Only what was given: launch's own defaults (and SLURM detection) decide the rest.
     for name in ("start_method", "prefix", "ranks_filter", "log_dir", "timeout",
                  "grace_period", "preload", "nnodes", "node_rank", "master_addr",
-                 "master_port"):
+                 "master_port", "backend", "gpus", "cpus"):
         value = getattr(ns, name)
         if value is not None:
             kw[name] = value

@@ -31,10 +31,9 @@ REFUSED = {
                                   "the --log-dir files",
     "--duplicate-stderr-filters": "no lines are copied to another file by filter; grep "
                                   "the --log-dir files",
-    "--numa-binding": "ranks are not bound to CPUs; run mplaunch under numactl, or call "
-                      "os.sched_setaffinity in the script",
-    "--virtual-local-rank": "LOCAL_RANK is the rank's index on its node; to give each "
-                            "rank one GPU, call torch.cuda.set_device(LOCAL_RANK)",
+    "--virtual-local-rank": "LOCAL_RANK is the rank's index on its node; --gpus "
+                            "per-rank gives each rank one GPU of its own, which it sees "
+                            "as cuda:0",
 }
 
 RDZV = ("--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf")
@@ -44,7 +43,7 @@ _HIDDEN = {**{f: f not in ("--run-path",) for f in IGNORED},
            **{f: f not in ("--no-python", "--virtual-local-rank") for f in REFUSED},
            **{f: True for f in RDZV},
            "--standalone": False, "--redirects": True, "--tee": True,
-           "--signals-to-handle": True}
+           "--signals-to-handle": True, "--numa-binding": True}
 _SHORT = {"--redirects": "-r", "--tee": "-t"}
 
 
@@ -92,6 +91,8 @@ def translate(ns: argparse.Namespace, forwarded: Sequence[str]) -> List[str]:
         _redirects(ns, getattr(ns, dest("--redirects")))
     if "--tee" in given:
         _tee(ns, getattr(ns, dest("--tee")))
+    if "--numa-binding" in given:
+        notes.append(_numa_binding(ns, getattr(ns, dest("--numa-binding"))))
     if "--signals-to-handle" in given:
         _signals(getattr(ns, dest("--signals-to-handle")), forwarded)
     for flag in given:
@@ -135,6 +136,23 @@ def _tee(ns, value: str) -> None:
     if value.strip() != "0" and ns.log_dir is None:
         raise Refused("--tee: mplaunch always relays the ranks' output here, and writes it "
                       "to per-rank log files with --log-dir DIR: add --log-dir DIR")
+
+
+def _numa_binding(ns, mode: str) -> str:
+    # Every mode binds each rank near its GPU; mplaunch's --cpus per-rank gives disjoint
+    # slices within the NUMA node of the rank's GPU (where it knows it), which is
+    # torchrun's "exclusive". The others share a node's (or socket's) CPUs among its
+    # ranks, or cut by L3 cache; disjoint slices within the node are the closest.
+    modes = ("node", "socket", "exclusive", "core-complex")
+    if mode not in modes:
+        raise Refused(f"--numa-binding {mode}: torchrun's modes are {', '.join(modes)}")
+    if ns.cpus is None:
+        ns.cpus = "per-rank"
+    return (f"--numa-binding {mode} is --cpus per-rank: each rank gets CPUs of its own, "
+            "within the NUMA node of its GPU where mplaunch knows the GPU (--gpus, or "
+            "a CUDA --backend)" + ("" if mode == "exclusive" else
+                                   f"; unlike {mode!r}, the ranks of a node do not "
+                                   "share its CPUs"))
 
 
 def _signals(value: str, forwarded: Sequence[str]) -> None:

@@ -17,9 +17,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
-from . import servers
-from .checks import check_nprocs_limit, log_dir, working_directory
-from .env import cpu_count, rank_env, user_env_for
+from . import devices, servers
+from .checks import check_backend, check_nprocs_limit, log_dir, working_directory
+from .env import allowed_cpus, cpu_count, rank_env, user_env_for
 from .slurm import layout as slurm_layout
 from .terminal import check_stdin_rank
 from .._wire.spec import RankSpec, Script
@@ -46,6 +46,9 @@ OPTION_DEFAULTS: Dict[str, Any] = {
     "nnodes": None,
     "node_rank": None,
     "stdin_rank": 0,
+    "backend": None,
+    "gpus": None,
+    "cpus": None,
 }
 
 
@@ -69,6 +72,9 @@ class LaunchConfig:
     user_envs: Tuple[Dict[str, str], ...]   # the user's extra variables, by local rank
     stdin_rank: Optional[int] = 0           # the rank that may read this terminal
     script: Optional[Script] = None
+    backend: Optional[str] = None           # the process group each rank sets up
+    gpus: Optional[Tuple[str, ...]] = None  # each local rank's CUDA_VISIBLE_DEVICES
+    cpus: Optional[Tuple[Tuple[int, ...], ...]] = None   # each local rank's CPUs
     # Where relayed output goes: the streams current when launch() was called (in a
     # notebook, the calling cell's).
     stdout: Any = field(default=None, repr=False, compare=False)
@@ -99,17 +105,20 @@ def rank_specs(cfg: LaunchConfig, attempt: int, port: int,
     specs = []
     for lr in range(cfg.nprocs):
         rank = cfg.global_rank(lr)
+        cpus = cfg.cpus[lr] if cfg.cpus is not None else None
         env = rank_env(base=base, rank=rank, local_rank=lr, world_size=cfg.world_size,
                        local_world_size=cfg.nprocs, node_rank=cfg.node_rank,
                        nnodes=cfg.nnodes, master_addr=cfg.master_addr, master_port=port,
                        restart_count=attempt, max_restarts=cfg.max_restarts,
                        extra=cfg.user_envs[lr], store=store_address,
-                       store_prefix=f"mplaunch/attempt_{attempt}/ranks/")
+                       store_prefix=f"mplaunch/attempt_{attempt}/ranks/",
+                       gpu=cfg.gpus[lr] if cfg.gpus is not None else None,
+                       threads=len(cpus) if cpus is not None else None)
         specs.append(RankSpec(rank=rank, local_rank=lr, node_rank=cfg.node_rank,
                               hostname=host, env=env, cwd=cwd, sys_path=path,
                               script=cfg.script,
                               fresh_interpreter=cfg.start_method == "spawn",
-                              serve=serve))
+                              serve=serve, backend=cfg.backend, cpus=cpus))
     return specs
 
 
@@ -125,7 +134,8 @@ def validate(func: Callable[..., Any], args: Any, nprocs: Any,
     working_directory()   # before anything imports torch: it cannot, from a deleted one
     o = dict(OPTION_DEFAULTS, **options)
     check_call(func, args, o["kwargs"])
-    nprocs = resolve_nprocs(nprocs)
+    backend, gpus, cpus = _backend(o["backend"]), _gpus(o["gpus"]), _cpus(o["cpus"])
+    nprocs = resolve_nprocs(nprocs, gpus)
     nnodes, node_rank, master_addr, master_port = node_layout(
         o["nnodes"], o["node_rank"], o["master_addr"], o["master_port"])
     max_restarts = o["max_restarts"]
@@ -137,6 +147,10 @@ def validate(func: Callable[..., Any], args: Any, nprocs: Any,
                         f"got {type(env).__name__}")
     # Every rank's extra environment is computed (and checked) before anything starts.
     user_envs = tuple(user_env_for(env, node_rank * nprocs + lr) for lr in range(nprocs))
+    if gpus is not None and any("CUDA_VISIBLE_DEVICES" in e for e in user_envs):
+        raise ValueError("gpus= and env= both set CUDA_VISIBLE_DEVICES; give the ranks "
+                         "their GPUs with one of them")
+    placement = devices.place(nprocs, gpus, cpus, backend, os.environ, allowed_cpus())
     stdin_rank = check_stdin_rank(o["stdin_rank"])
     if stdin_rank is not None and stdin_rank >= nnodes * nprocs:
         raise ValueError(f"stdin_rank={stdin_rank} is not a rank of this launch (ranks "
@@ -154,6 +168,7 @@ def validate(func: Callable[..., Any], args: Any, nprocs: Any,
         ranks_filter=_ranks_filter(o["ranks_filter"], nprocs),
         log_dir=log_dir(o["log_dir"]),
         user_envs=user_envs, stdin_rank=stdin_rank, script=script,
+        backend=backend, gpus=placement.gpus, cpus=placement.cpus,
         stdout=sys.stdout, stderr=sys.stderr)
 
 
@@ -165,12 +180,18 @@ def with_streams(cfg: LaunchConfig) -> LaunchConfig:
     return dataclasses.replace(cfg, stdout=sys.stdout, stderr=sys.stderr)
 
 
-def resolve_nprocs(nprocs: Any) -> int:
-    """An int >= 1, or "auto": one rank per visible GPU, else one per usable CPU."""
+def resolve_nprocs(nprocs: Any, gpus: Any = None) -> int:
+    """An int >= 1, or "auto": one rank per visible GPU, else one per usable CPU; None:
+    one per GPU of a ``gpus=`` list, else 1."""
+    if isinstance(gpus, tuple) and nprocs in (None, "auto"):
+        return len(gpus)
+    if nprocs is None:
+        return 1
     if nprocs == "auto":
         return auto_nprocs()
     if not _is_int(nprocs) or nprocs < 1:
-        raise ValueError(f"nprocs must be a positive int or 'auto', got {nprocs!r}")
+        raise ValueError(f"nprocs must be a positive int, 'auto', or None (1, or one per "
+                         f"entry of a gpus= list), got {nprocs!r}")
     check_nprocs_limit(nprocs)
     return int(nprocs)
 
@@ -180,12 +201,40 @@ def auto_nprocs() -> int:
 
 
 def gpu_count() -> int:
-    """CUDA GPUs visible to this process, counted without initialising CUDA here."""
-    try:
-        import torch
-        return torch.cuda.device_count()  # NVML-based
-    except Exception:  # noqa: BLE001 - no usable torch: no GPU to count
-        return 0
+    """CUDA GPUs visible to this process, counted without initialising CUDA here (NVML
+    or the driver's /proc, and CUDA_VISIBLE_DEVICES), so that fork stays possible."""
+    return len(devices.visible_gpus(os.environ, devices.driver_gpus()))
+
+
+# One helper per option below: each names its argument and says what to write instead.
+
+def _backend(backend) -> Optional[str]:
+    if backend is not None and (not isinstance(backend, str) or not backend.strip()):
+        raise TypeError(f"backend must be a str such as 'gloo', 'nccl' or "
+                        f"'cpu:gloo,cuda:nccl', or None, got {backend!r}")
+    check_backend(backend)   # a name torch.distributed knows
+    return backend
+
+
+def _gpus(gpus):
+    """None, "per-rank", or a tuple of positions in the visible list."""
+    if gpus is None or gpus == devices.PER_RANK:
+        return gpus
+    if isinstance(gpus, (list, tuple)) and gpus and all(_is_int(i) and i >= 0
+                                                        for i in gpus):
+        if len(set(gpus)) != len(gpus):
+            raise ValueError(f"gpus={list(gpus)} names a GPU twice; each rank gets its own")
+        return tuple(int(i) for i in gpus)
+    raise ValueError(f"gpus must be None (the ranks see this process's GPUs), "
+                     f"'per-rank' (one each), or a non-empty list of positions in the "
+                     f"visible list such as [2, 0], got {gpus!r}")
+
+
+def _cpus(cpus):
+    if cpus is None or cpus == devices.PER_RANK:
+        return cpus
+    raise ValueError(f"cpus must be None (the ranks inherit this process's CPUs) or "
+                     f"'per-rank' (disjoint slices, one per rank), got {cpus!r}")
 
 
 def _unknown_option_message(name: str) -> str:

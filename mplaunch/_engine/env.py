@@ -2,17 +2,22 @@
 from __future__ import annotations
 
 import os
-from typing import Callable, Dict, Mapping, Optional, Union
+from typing import Callable, Dict, List, Mapping, Optional, Union
 
 EnvArg = Union[None, Mapping[str, str], Callable[[int], Mapping[str, str]]]
 
 
 def cpu_count() -> int:
     """CPUs this process may run on (its affinity mask), at least 1."""
+    return len(allowed_cpus())
+
+
+def allowed_cpus() -> List[int]:
+    """The CPUs this process may run on (its affinity mask)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
 
 
 def user_env_for(env: EnvArg, rank: int) -> Dict[str, str]:
@@ -39,9 +44,14 @@ def rank_env(*, base: Mapping[str, str], rank: int, local_rank: int, world_size:
              local_world_size: int, node_rank: int, nnodes: int, master_addr: str,
              master_port: int, restart_count: int, max_restarts: int,
              extra: Mapping[str, str], store: Optional[str],
-             store_prefix: str = "") -> Dict[str, str]:
+             store_prefix: str = "", gpu: Optional[str] = None,
+             threads: Optional[int] = None) -> Dict[str, str]:
     env = dict(base)
-    if "OMP_NUM_THREADS" not in env and local_world_size > 1:
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu   # gpus=: this rank's own GPU
+    if "OMP_NUM_THREADS" not in env and threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)   # cpus=: as many as its CPUs
+    elif "OMP_NUM_THREADS" not in env and local_world_size > 1:
         # torchrun's reasoning: N ranks each using every core oversubscribe the machine.
         env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // local_world_size))
     env.update({

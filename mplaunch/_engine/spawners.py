@@ -147,6 +147,11 @@ class ForkSpawner(ServerSpawner):
         # process group), and signalled too.
         self._descendants: Set[int] = set()
 
+    def open(self, sel: selectors.BaseSelector) -> None:
+        # What the forked ranks run, imported once here rather than in each of them.
+        from .._rank.worker import run_rank  # noqa: F401
+        super().open(sel)
+
     def start(self, token: int, spec: RankSpec, fds: Sequence[int]) -> None:
         pid = fork_rank(spec, dict(zip(RANK_FDS, fds)))
         self._send(Watch(pid))  # the server kills it if we die

@@ -24,14 +24,12 @@ class _RankOutcome(Exception):
         return f"{self.kind}: {self.msg}"
 
 
-def _run_in_rank(blob: bytes, backend, assertion_settings: dict):
+def _run_in_rank(blob: bytes, assertion_settings: dict):
+    """The test body in this rank. The process group (the marker's ``backend``) is
+    launch's: made before this runs, ended after the rank's outcome is sent."""
     __tracebackhide__ = True
     _install_reprcompare(assertion_settings)
     func, kwargs = pickle.loads(blob)
-    dist = None
-    if backend:
-        import torch.distributed as dist
-        dist.init_process_group(backend)
     try:
         func(**kwargs)
     except (pytest.skip.Exception, pytest.fail.Exception) as exc:
@@ -39,16 +37,6 @@ def _run_in_rank(blob: bytes, backend, assertion_settings: dict):
                 "xfail" if isinstance(exc, pytest.xfail.Exception) else "fail")
         raise _RankOutcome(kind, exc.msg, exc.pytrace).with_traceback(
             _without_hidden_tail(exc.__traceback__)) from None
-    # Only on success: destroying the group on a failure would make the peers' pending
-    # collectives fail before this rank's own error is reported, and the first failure
-    # decides the outcome. A failed rank exits at once, and its peers are stopped.
-    if dist is not None and dist.is_initialized():
-        if "gloo" in str(backend):
-            # A rank that destroys its group and exits right after init can break a
-            # gloo peer whose connect has not finished yet ("Connection closed by
-            # peer", about 1 in 100 empty tests here): leave together.
-            dist.barrier()
-        dist.destroy_process_group()
 
 
 # What a reused rank had before its first test, given back before each later one.
@@ -64,7 +52,7 @@ def _run_in_reused_rank(blob: bytes, settings: dict, initialized: bool) -> dict:
         _first_state.update(_snapshot())
     else:
         _restore(_first_state)
-    _run_in_rank(blob, None, settings)
+    _run_in_rank(blob, settings)
     return _group_health()
 
 

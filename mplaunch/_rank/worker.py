@@ -15,9 +15,12 @@ import signal
 import sys
 import time
 
-from . import rendezvous, streams
-from .._wire import linux
+from . import procgroup, rendezvous, serve as serving, streams
+# Imported here, not when first used: the server imports this module before it forks
+# any rank (a forked rank finds them loaded), and every rank needs them.
+from .._wire import linux, mainmod, payload as wire_payload
 from .._wire.channel import send_framed
+from .._wire.exceptions import pack_exception
 from .._wire.messages import (EXIT_ERROR, EXIT_PARENT_GONE, MESSAGE_TAG, RESULT_TAG,
                               STACK_SIGNAL, Raised, Returned)
 
@@ -83,6 +86,9 @@ def _apply_spec(spec) -> None:
         sys.argv[:] = spec.script.argv
     atexit._clear()  # handlers inherited from the forking process are not ours to run
     rendezvous.install_hook()
+    if spec.cpus:
+        # cpus=: before any user code, so that every thread it starts inherits the set.
+        os.sched_setaffinity(0, spec.cpus)
     torch = sys.modules.get("torch")
     threads = os.environ.get("OMP_NUM_THREADS")
     if torch is not None and threads and threads.isdigit() and int(threads) > 0:
@@ -110,6 +116,7 @@ def run_rank(spec, fds: dict, expected_ppid: int):
         except BaseException:  # noqa: BLE001
             pass
     finally:
+        procgroup.teardown(failed=code != 0)   # the outcome has been sent already
         _flush_streams()
         _run_multiprocessing_finalizers()
         _kill_descendants()
@@ -141,28 +148,31 @@ def _kill_descendants() -> None:
 def _run_and_report(spec, fds: dict) -> int:
     import socket
     sock = socket.socket(fileno=fds["result"])
-    code = _call_and_report(sock, spec, fds["payload"])
+    code = _call_and_report(sock, spec, fds["payload"], first=True)
     if spec.serve:
         # A World's rank: more calls follow, until the parent ends the world.
-        from .serve import serve
-        return serve(sock, fds["payload"], lambda fd: _call_and_report(sock, spec, fd))
+        return serving.serve(sock, fds["payload"],
+                             lambda fd: _call_and_report(sock, spec, fd))
     return code
 
 
-def _call_and_report(sock, spec, payload_fd: int) -> int:
+def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
     """Run what the payload in `payload_fd` holds (or the spec's script), send one
     message: the result or the exception. Returns the exit code that outcome calls for.
     The payload stays open: the rank's spawn and forkserver children read the
     definitions of its __main__ from it."""
-    from .._wire import payload as wire_payload
     payload = linux.read_all_fd(payload_fd)
     exitcode = 0
     try:
+        if first:
+            # Once: a World's group that a call destroyed stays destroyed (re-making it
+            # would rendezvous again under the same keys).
+            procgroup.setup(spec.backend)
         if spec.script is not None:
             value = _run_script(spec.script.target, spec.script.kind)
         else:
-            from .._wire.mainmod import publish
-            func, args, kwargs = wire_payload.loads_payload(payload, publish(payload_fd))
+            func, args, kwargs = wire_payload.loads_payload(payload,
+                                                           mainmod.publish(payload_fd))
             del payload
             value = func(*args, **kwargs)
     except SystemExit as exc:
@@ -170,9 +180,13 @@ def _call_and_report(sock, spec, payload_fd: int) -> int:
         if exitcode == 0:
             _send(sock, Returned(None))
             return 0
+        if not spec.serve:
+            procgroup.shield()
         _send_exception(sock, exc, exitcode, show=False)  # as python does for exit(n)
         return exitcode
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt and pytest outcomes too
+        if not spec.serve:
+            procgroup.shield()   # its group ends after the report, before the SIGTERM
         _send_exception(sock, exc, EXIT_ERROR, hint=_spawn_style_hint(exc))
         return EXIT_ERROR
     try:
@@ -182,6 +196,8 @@ def _call_and_report(sock, spec, payload_fd: int) -> int:
                         f"({type(value).__name__}): {type(exc).__name__}: {exc}. Return "
                         "something picklable, or save it to a file and return the path.")
         err.__cause__ = exc
+        if not spec.serve:
+            procgroup.shield()
         _send_exception(sock, err, EXIT_ERROR)
         return EXIT_ERROR
     _send_raw(sock, RESULT_TAG + data, tensor_fds)
@@ -236,7 +252,6 @@ def _spawn_style_hint(exc: BaseException):
 
 def _send_exception(sock, exc: BaseException, exitcode: int, show: bool = True,
                     hint=None) -> None:
-    from .._wire.exceptions import pack_exception
     tb = exc.__traceback__
     while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
                               or tb.tb_frame.f_code.co_filename == "<frozen runpy>"):

@@ -335,6 +335,9 @@ def main() -> None:
             importlib.import_module(name)
         except BaseException as exc:  # noqa: BLE001 - reported, not fatal
             failed[name] = f"{type(exc).__name__}: {exc}"
+    # What every rank runs (cloudpickle included), imported once here: a forked rank
+    # finds it loaded instead of importing it after each fork.
+    from .._rank import worker  # noqa: F401
     import gc
     # Everything imported so far (torch: hundreds of thousands of objects) moves to the
     # permanent generation: a collection in a rank would otherwise write to every

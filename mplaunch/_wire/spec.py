@@ -32,6 +32,8 @@ class RankSpec:
     script: Optional[Script] = None
     fresh_interpreter: bool = False    # start_method="spawn": exec a new Python
     serve: bool = False                # stays up for more calls (a World's rank)
+    backend: Optional[str] = None      # init_process_group before the first call
+    cpus: Optional[Tuple[int, ...]] = None   # the rank's CPU affinity
     # {"stdout": bool, "stderr": bool}: whether each relayed stream ends on a terminal
     terminal: Optional[Dict[str, bool]] = None
 
