@@ -357,7 +357,9 @@ def test_huge_timeouts_mean_no_limit(timeout):
 def test_world_refuses_an_unknown_backend_before_starting():
     with pytest.raises(ValueError, match="backend 'bogus'.*gloo"):
         mplaunch.World(1, backend="bogus")
-    mplaunch.World(1, backend="cpu:gloo,cuda:nccl").close()
+    with pytest.raises(ValueError, match="backend 'cpu:glooo'"):
+        mplaunch.launch(_tagged, ("x", 0), backend="cpu:glooo")
+    mplaunch.World(1, backend="gloo").close()
 
 
 # -- 7. a deleted working directory ------------------------------------------------------
