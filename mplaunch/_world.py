@@ -103,7 +103,10 @@ class World:
         :class:`~mplaunch.MainProcessError` as ``launch`` does, after tearing the world
         down."""
         check_call(func, args, kwargs)
-        timeout = seconds("timeout", timeout, optional=True)
+        # None: the world's own timeout; inf: none, for this call (the loop's deadline
+        # is then never reached, and its waits are sliced).
+        if timeout != float("inf"):
+            timeout = seconds("timeout", timeout, optional=True)
         payload = dumps_payload(func, args, kwargs or {})
         with self._lock:
             self.start()

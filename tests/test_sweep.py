@@ -354,6 +354,11 @@ def test_huge_timeouts_mean_no_limit(timeout):
                            timeout=timeout) == [("t", 1, 0)]
 
 
+def test_world_run_with_an_infinite_timeout_overrides_the_worlds():
+    with mplaunch.World(1, preload=(), timeout=0.5) as world:
+        assert world.run(_sleep_then, (1.5,), timeout=float("inf")) == ["slept"]
+
+
 def test_world_refuses_an_unknown_backend_before_starting():
     with pytest.raises(ValueError, match="backend 'bogus'.*gloo"):
         mplaunch.World(1, backend="bogus")
