@@ -28,7 +28,8 @@ class Handle(Generic[T]):
     ``pids`` maps each rank of this node to its process id; ``done()`` says whether the
     launch has ended, without blocking; ``wait(timeout)`` waits for it; ``result()``
     returns what :func:`mplaunch.launch` would have returned, or raises what it would
-    have raised; ``stop()`` tears the ranks down as on a failure. Used as a context
+    have raised; ``stacks()`` says where each rank is now, without stopping it;
+    ``stop()`` tears the ranks down as on a failure. Used as a context
     manager, leaving the block stops the launch if it is still running. A handle left
     running is stopped when the interpreter exits.
     """
@@ -59,6 +60,13 @@ class Handle(Generic[T]):
     def pids(self) -> Dict[int, int]:
         """{rank: pid} of the ranks of the current attempt on this node."""
         return self._run.pids
+
+    def stacks(self) -> Dict[int, str]:
+        """{rank: where it is now}, asked without stopping anything (from any thread):
+        the innermost frames of each thread with source lines, and the collective it
+        is in, as a timeout's message shows them; ``print()`` shows them grouped.
+        Empty once the launch has ended."""
+        return self._run.stacks()
 
     def done(self) -> bool:
         """True once every rank is gone and the outcome is known. Never blocks."""

@@ -178,6 +178,8 @@ def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     pull = sub.add_parser("pull", help="a variable of the ranks' namespace, as a list "
                                        "by rank")
     pull.add_argument("name")
+    sub.add_parser("stacks", help="where each rank is now (every thread's innermost "
+                                  "frames, grouped), without stopping anything")
     cell = _Parser(prog="%%ranks", description="Run the cell in every rank.")
     cell.add_argument("--timeout", type=float, default=None,
                       help="seconds this cell may run (default: the world's)")
@@ -222,8 +224,8 @@ class _Ranks:
 
         ``%ranks start [N] [--backend B] [--timeout S] [--grace-period S]
         [--log-dir D] [--env NAME=VALUE]``, ``%ranks stop``, ``%ranks restart``,
-        ``%ranks push NAME...``, ``%ranks pull NAME`` (a list by rank), and ``%ranks``
-        (status). ``%ranks --help`` and ``%ranks start --help`` list the options.
+        ``%ranks push NAME...``, ``%ranks pull NAME`` (a list by rank), ``%ranks
+        stacks`` (where each rank is now), and ``%ranks`` (status). ``%ranks --help`` and ``%ranks start --help`` list the options.
         """
         __tracebackhide__ = True  # noqa: F841 - IPython leaves our frames out
         import shlex
@@ -253,6 +255,9 @@ class _Ranks:
             self.push(args.names)
         elif args.command == "pull":
             return self.pull(args.name)
+        elif args.command == "stacks":
+            print(self.world.stacks() if self.world is not None and self.world.pids
+                  else "no rank is running")
         return None
 
     def status(self) -> str:

@@ -86,6 +86,14 @@ class World:
     def nprocs(self) -> int:
         return self.cfg.nprocs
 
+    def stacks(self):
+        """{rank: where it is now}, asked without stopping anything, from any thread
+        (while another runs ``run``): as :meth:`mplaunch.Handle.stacks`."""
+        from ._wire.stacks import RankStacks
+        from ._engine.timeouts import collect_stacks
+        attempt = self._attempt
+        return RankStacks(collect_stacks(attempt.group) if attempt is not None else {})
+
     def start(self) -> "World":
         """Start the ranks now (else the first run() does)."""
         with self._lock:

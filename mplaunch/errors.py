@@ -48,18 +48,23 @@ class RankFailure:
     ``location`` where in the user's code it raised ("train.py:7 in train");
     ``stderr_tail`` the last lines the rank wrote to stderr; ``attempt`` the restart
     attempt (0 for the first run); ``timestamp`` when the failure was observed
-    (``time.time()`` in the worker when it raised, else in the parent).
+    (``time.time()`` in the worker when it raised, else in the parent); ``max_rss`` the
+    rank's peak resident memory in bytes, once its process was reaped (None while it
+    was not, or for a failure of no process). For a rank killed by a signal,
+    ``message`` says what is known of why (the kernel's OOM killer, when it says so).
     """
 
     __module__ = "mplaunch"
     __slots__ = (
         "rank", "pid", "exitcode", "signal", "exc_type", "message", "traceback",
         "stderr_tail", "attempt", "timestamp", "local_rank", "node_rank", "hostname",
+        "max_rss",
     )
 
     def __init__(self, rank, pid=None, exitcode=None, signal=None, exc_type=None,
                  message=None, traceback=None, stderr_tail=None, attempt=0,
-                 timestamp=None, local_rank=None, node_rank=0, hostname=None):
+                 timestamp=None, local_rank=None, node_rank=0, hostname=None,
+                 max_rss=None):
         self.rank = rank
         self.pid = pid
         self.exitcode = exitcode
@@ -73,6 +78,7 @@ class RankFailure:
         self.local_rank = rank if local_rank is None else local_rank
         self.node_rank = node_rank
         self.hostname = hostname
+        self.max_rss = max_rss   # last: pickles made before it existed still load
 
     def __reduce__(self):
         return (RankFailure, tuple(getattr(self, k) for k in self.__slots__))
@@ -106,7 +112,12 @@ class RankFailure:
             if facts:
                 what += f" ({', '.join(facts)})"
         elif self.signal is not None:
-            what = f"was killed by {self.signal} (exit code {self.exitcode})"
+            what = f"was killed by {self.signal} (exit code {self.exitcode}"
+            if self.max_rss is not None:
+                what += f", peak RSS {_size(self.max_rss)}"
+            what += ")"
+            if self.message:
+                what += f": {self.message}"
         elif self.message:
             what = self.message
         else:
@@ -198,6 +209,15 @@ class WorkerError(MPLaunchError):
         return (_rebuild_worker_error,
                 (type(self), self.failures, self.previous_attempts, self.note,
                  self.__dict__))
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
 
 
 def _first_line(message: Optional[str]):

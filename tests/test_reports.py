@@ -333,4 +333,7 @@ def test_real_launch_timeout_stacks_match_the_message():
         assert "Current thread" in err.raw_stacks[rank]
         stack = err.stacks[rank]
         assert "time.sleep(600)" in stack and "mplaunch" + os.sep not in stack
-        assert f"rank {rank}:\n" + textwrap.indent(stack, "  ") in text
+    # the same place: shown once, under both ranks
+    assert err.stacks[0] == err.stacks[1]
+    assert text.count("time.sleep(600)") == 1
+    assert "ranks 0, 1:\n" + textwrap.indent(err.stacks[0], "  ") in text

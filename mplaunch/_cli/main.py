@@ -17,7 +17,8 @@ from typing import List, Optional, Sequence
 
 from . import torchrun
 from .targets import UsageError, prepare
-from .report import Shown, exit_code_of, flush_stdout, report_failure, say
+from .report import (Shown, exit_code_of, flush_stdout, print_stacks, report_failure,
+                     say)
 from .._engine.config import auto_nprocs, gpu_count
 from .._engine.env import cpu_count
 from .._placement_flags import argparse_type, parse_cpus_flag, parse_gpus_flag
@@ -95,6 +96,12 @@ def _on_signal(signo, _frame):
     except OSError:
         pass
     os._exit(128 + signo)
+
+
+def _on_usr1(_signo, _frame):
+    # Where every rank is, printed without stopping anything. Collecting takes up to
+    # two seconds and the lock of the group the main thread is driving: not in a handler.
+    threading.Thread(target=print_stacks, name="mplaunch-stacks", daemon=True).start()
 
 
 # -- the command line ------------------------------------------------------------------
@@ -400,4 +407,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if threading.current_thread() is threading.main_thread():
         for signo in _HANDLED_SIGNALS:
             signal.signal(signo, _on_signal)
+        signal.signal(signal.SIGUSR1, _on_usr1)
     return run(argv)

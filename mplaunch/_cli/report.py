@@ -161,3 +161,13 @@ def flush_stdout() -> None:
             os.close(devnull)
         except (OSError, ValueError):
             pass
+
+
+def print_stacks() -> None:
+    """Where each rank of the launches running now is (the command's SIGUSR1)."""
+    from .._engine.run import running
+    runs = running()
+    if not runs:
+        say("SIGUSR1: no rank is running")
+    for run in runs:
+        say("SIGUSR1: where each rank is now (the launch goes on)\n" + str(run.stacks()))

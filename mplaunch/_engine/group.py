@@ -24,7 +24,8 @@ from .ranks import RankState, drain_outputs
 from .signals import Waker
 from .._wire import linux
 from .._wire.channel import send_framed
-from .._wire.messages import CALL_TAG, RESULT_TAG, Raised, Returned
+from .._wire.memory import killed_why
+from .._wire.messages import CALL_TAG, EXIT_CHANNEL_CLOSED, RESULT_TAG, Raised, Returned
 from .._wire.payload import loads_result
 from .._wire.spec import RankSpec
 from ..errors import RankFailure, signal_name
@@ -59,6 +60,9 @@ class RankGroup:
         self.failures: List[RankFailure] = []
         self.teardown: Optional[Teardown] = None
         self.spawner = spawners.for_config(cfg, self)
+        # Held while another thread reads the ranks' stacks (_engine.timeouts): the
+        # ranks' fds stay open, fork-mode pids unreaped and channel sends whole meanwhile.
+        self.lock = self.spawner.lock
         self._by_pid: Dict[int, RankState] = {}
         self._sel = selectors.DefaultSelector()
         self._waker = waker
@@ -104,9 +108,12 @@ class RankGroup:
         if self.teardown is not None:
             self._signal(self.teardown.signal, [r])
 
-    def exited(self, pid: int, status: int) -> None:
+    def exited(self, pid: int, status: int, max_rss: Optional[int] = None,
+               note: Optional[str] = None) -> None:
+        """`note`: what the kernel says of its death (the OOM killer), if anything."""
         r = self._by_pid.get(pid)
         if r is not None and r.alive:
+            r.max_rss, r.exit_note = max_rss, note
             self._on_exit(r, status)
 
     def start_failed(self, token: int, reason: str) -> None:
@@ -114,16 +121,20 @@ class RankGroup:
         r.status, r.pid = 1 << 8, -1
         self.fail(self._record(r, exitcode=1, message=f"could not start: {reason}"))
 
-    def server_lost(self) -> None:
-        """The server died, and every rank it started with it (parent-death signal)."""
-        for r in self.ranks:
-            if r.alive:
-                r.status = signal.SIGKILL
-                if r.pid is None:
-                    r.pid = -1
-                self.fail(self._record(
-                    r, exitcode=-signal.SIGKILL, signal="SIGKILL",
-                    message="was killed because mplaunch's server process died"))
+    def server_lost(self, pid: Optional[int], how: str) -> None:
+        """The server (`pid`) died (`how`: "was killed by SIGKILL"), and every rank it
+        started with it (parent-death signal)."""
+        dead = [r for r in self.ranks if r.alive]
+        who = f" (pid {pid})" if pid is not None else ""
+        first = (f"mplaunch's server process{who} {how}, and every rank was killed with "
+                 "it; the next launch starts a new server")
+        for r in dead:
+            r.status = signal.SIGKILL
+            if r.pid is None:
+                r.pid = -1
+            self.fail(self._record(
+                r, exitcode=-signal.SIGKILL, signal="SIGKILL",
+                message=first if r is dead[0] else "it died with mplaunch's server process"))
 
     # -- calls (a World's ranks stay up between them) ----------------------------------
     def call(self, payload_fd: int) -> None:
@@ -190,12 +201,6 @@ class RankGroup:
             self._read_output(r.out_fd, r.out)
         elif kind == "err":
             self._read_output(r.err_fd, r.err)
-        elif kind == "stack":
-            chunk = read_pipe(r.stack_fd)
-            if chunk:
-                r.stack_text += chunk
-            elif chunk == b"":
-                self._unregister(r.stack_fd)
 
     def _on_wake(self, _fd) -> None:
         self._waker.drain()
@@ -251,7 +256,13 @@ class RankGroup:
         if r.has_result and exitcode == 0 and not r.spec.serve:
             return
         if signo is not None:
-            failure = self._record(r, exitcode=exitcode, signal=signal_name(signo))
+            failure = self._record(r, exitcode=exitcode, signal=signal_name(signo),
+                                   message=killed_why(signo, r.exit_note))
+        elif exitcode == EXIT_CHANNEL_CLOSED and not r.has_result:
+            failure = self._record(r, exitcode=exitcode, message=(
+                "closed its result channel before it returned, so its result or error "
+                "could not be sent (did it close file descriptors it did not open, e.g. "
+                "os.closerange(3, ...)?)"))
         elif r.spec.serve:
             failure = self._record(r, exitcode=exitcode, message=f"exited with code "
                                    f"{exitcode} while its World was up")
@@ -264,6 +275,7 @@ class RankGroup:
 
     def _record(self, r: RankState, **fields) -> RankFailure:
         fields.setdefault("timestamp", r.exited_at or time.time())
+        fields.setdefault("max_rss", r.max_rss)
         return RankFailure(r.spec.rank, r.pid, attempt=self.attempt,
                            local_rank=r.local_rank, node_rank=r.spec.node_rank,
                            hostname=r.spec.hostname, **fields)
@@ -305,15 +317,12 @@ class RankGroup:
             self.teardown.kill_at = 0.0
 
     def send_signal(self, signo: int, ranks: Sequence[RankState]) -> None:
-        """Deliver `signo` to these ranks' processes (not their groups)."""
-        pids = [r.pid for r in ranks if r.signalable]
-        if pids:
-            self.spawner.signal_ranks(signo, pids)
-
-    def watch_stacks(self, ranks: Sequence[RankState]) -> None:
-        """Start collecting these ranks' stack dumps into their ``stack_text``."""
-        for r in ranks:
-            self._sel.register(r.stack_fd, selectors.EVENT_READ, ("stack", r))
+        """Deliver `signo` to these ranks' processes (not their groups). Any thread:
+        under the lock, a fork-mode rank is not reaped meanwhile, so its pid is its."""
+        with self.lock:
+            pids = [r.pid for r in ranks if r.signalable]
+            if pids:
+                self.spawner.signal_ranks(signo, pids)
 
     def _signal(self, signo: int, ranks) -> None:
         """`signo` to each rank's whole process group (its descendants too)."""
@@ -343,8 +352,9 @@ class RankGroup:
                     self._dispatch(key)
         self.spawner.sweep()
         drain_outputs(self.ranks, _DRAIN_WAIT)
-        for r in self.ranks:
-            r.close()
+        with self.lock:
+            for r in self.ranks:
+                r.close()
         self.spawner.close()
         # The spawner reports to us and we hold it: without this the pair (and every
         # result held by a rank's state) would live until the cycle collector runs.

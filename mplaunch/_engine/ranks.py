@@ -19,8 +19,8 @@ from .terminal import for_rank
 class RankState:
     """One rank of a RankGroup."""
     __slots__ = ("spec", "pid", "reader", "out_fd", "err_fd", "stack_fd", "out", "err",
-                 "status", "result", "has_result", "error", "stack_text",
-                 "exited_at", "_child_ends")
+                 "status", "result", "has_result", "error", "max_rss", "exit_note",
+                 "reporter", "exited_at", "_child_ends")
 
     def __init__(self, spec: RankSpec):
         self.spec = spec
@@ -33,7 +33,9 @@ class RankState:
         self.out: Optional[StreamRelay] = None
         self.err: Optional[StreamRelay] = None
         self.out_fd = self.err_fd = self.stack_fd = None
-        self.stack_text = b""
+        self.max_rss: Optional[int] = None   # bytes, from the reaping wait4
+        self.exit_note: Optional[str] = None  # what the reaper knows of its death (OOM)
+        self.reporter = False   # a collectives reporter runs in it (_rank.collectives)
         self.exited_at: Optional[float] = None
         self._child_ends: List = []
 
@@ -50,12 +52,14 @@ class RankState:
         return self.alive and self.pid not in (None, -1)
 
     def open(self, cfg: LaunchConfig, attempt: int, payload_fd: int) -> List[int]:
-        """Make the rank's result socket, output and stack pipes and relays; return the
+        """Make the rank's result socket, output pipes, stack socket and relays; return the
         fds the rank is started with, in _wire.channel.RANK_FDS order."""
         res_parent, res_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        stack_r, stack_w = os.pipe()
+        # A socket, not a pipe: the rank's collectives reporter reads requests from it.
+        stack_ours, stack_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        stack_r, stack_w = stack_ours.detach(), stack_theirs.detach()
         for fd in (out_r, err_r, stack_r):
             servers.own_fd(fd)
             os.set_blocking(fd, False)

@@ -5,6 +5,7 @@ launch() drives it inline, start() in a thread.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Dict, List, Optional
 
 from . import signals
@@ -13,7 +14,15 @@ from .config import LaunchConfig
 from .nodes import NodeWatch
 from .outcome import results_or_raise
 from .session import Session
+from .timeouts import collect_stacks
+from .._wire.stacks import RankStacks
 from ..errors import WorkerError
+
+
+def running() -> List["Run"]:
+    """The launches this process is driving now (the watcher's SIGUSR1 shows their
+    stacks)."""
+    return list(_driven)
 
 
 class Run:
@@ -44,6 +53,11 @@ class Run:
         if attempt is not None:
             attempt.request_stop(grace_period)
 
+    def stacks(self) -> RankStacks:
+        """From any thread: where each rank of the current attempt is now."""
+        attempt = self.attempt
+        return RankStacks(collect_stacks(attempt.group) if attempt is not None else {})
+
     def on_signal(self, signo: int) -> None:
         """From a signal handler or another thread: the current attempt stops."""
         attempt = self.attempt
@@ -52,6 +66,13 @@ class Run:
 
     def drive(self) -> List[Any]:
         """Run attempts until one succeeds or max_restarts is spent."""
+        _driven.add(self)
+        try:
+            return self._drive()
+        finally:
+            _driven.discard(self)
+
+    def _drive(self) -> List[Any]:
         cfg = self.cfg
         previous: list = []
         with Session(cfg, self.payload) as session:
@@ -87,3 +108,6 @@ class Run:
             self._pids = attempt.group.pids
             self.attempt = None
         return results_or_raise(attempt)
+
+
+_driven: "weakref.WeakSet[Run]" = weakref.WeakSet()

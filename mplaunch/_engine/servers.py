@@ -141,6 +141,21 @@ class ServerHandle:
             theirs.close()
         return ours
 
+    def death(self, wait: float = 2.0) -> str:
+        """How the server ended ("was killed by SIGKILL"), once its channel closed."""
+        from .._wire.memory import in_kernel_log
+        from ..errors import signal_name
+        try:
+            code = self.proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            return "closed its channel"
+        if code >= 0:
+            return f"exited with code {code}"
+        how = f"was killed by {signal_name(-code)}"
+        if -code == 9 and in_kernel_log(self.pid):
+            how += " (by the kernel's OOM killer, the kernel log says)"
+        return how
+
     def stop(self, timeout: float = 5.0) -> None:
         try:
             self.lifeline.close()  # EOF: the server kills what is left and exits

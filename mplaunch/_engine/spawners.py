@@ -9,7 +9,12 @@ RankGroup and the start methods.
   the launching process, but it is not their parent.
 
 A spawner reports to its group through four calls: ``started(token, pid)``,
-``exited(pid, status)``, ``start_failed(token, reason)`` and ``server_lost()``.
+``exited(pid, status, max_rss, note)``, ``start_failed(token, reason)`` and
+``server_lost(pid, how)``.
+
+Its ``lock`` makes it usable from another thread than the one driving the group (stacks
+on demand, _engine.timeouts): channel sends are whole, and a forked rank is not reaped
+while another thread signals it.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from . import servers
 from .config import LaunchConfig
 from .._wire import linux
 from .._wire.channel import RANK_FDS, recv_obj, send_obj
+from .._wire.memory import OomWatch, reap
 from .._wire.messages import (Exited, SignalGroups, SignalRanks, Started, StartFailed,
                               StartRank, Sweep, Swept, Unwatch, Watch)
 from .._wire.spec import RankSpec
@@ -43,6 +49,8 @@ class ServerSpawner:
         self.cfg = cfg
         self.events = events
         self.channel: Optional[socket.socket] = None
+        self.server: Optional[servers.ServerHandle] = None
+        self.lock = threading.RLock()
         self._sel: Optional[selectors.BaseSelector] = None
 
     def open(self, sel: selectors.BaseSelector) -> None:
@@ -54,6 +62,7 @@ class ServerSpawner:
                 f"mplaunch's forkserver has {server.threads} threads after importing "
                 f"{list(cfg.preload)}: forking it is unsafe. Use start_method='spawn', or "
                 "preload other modules.")
+        self.server = server
         self.channel = server.open_channel()
         self.channel.setblocking(True)
         self._sel = sel
@@ -61,7 +70,8 @@ class ServerSpawner:
 
     def start(self, token: int, spec: RankSpec, fds: Sequence[int]) -> None:
         """Ask for a rank; ``started`` follows (from pump() or the selector)."""
-        send_obj(self.channel, StartRank(token, spec), fds)
+        with self.lock:
+            send_obj(self.channel, StartRank(token, spec), fds)
 
     def pump(self) -> None:
         """Block for one report of the server and hand it to the group."""
@@ -82,7 +92,8 @@ class ServerSpawner:
         if ch is None or ch.fileno() == -1:
             return
         try:
-            send_obj(ch, Sweep())
+            with self.lock:
+                send_obj(ch, Sweep())
             ch.settimeout(timeout)
             while True:
                 msg, fds = recv_obj(ch)
@@ -91,7 +102,7 @@ class ServerSpawner:
                 if msg is None or isinstance(msg, Swept):
                     return
                 if isinstance(msg, Exited):
-                    self.events.exited(msg.pid, msg.status)
+                    self.events.exited(msg.pid, msg.status, msg.max_rss, msg.note)
         except (socket.timeout, OSError):
             return
         finally:
@@ -105,7 +116,8 @@ class ServerSpawner:
     # -- internals -----------------------------------------------------------------------
     def _send(self, msg) -> None:
         try:
-            send_obj(self.channel, msg)
+            with self.lock:
+                send_obj(self.channel, msg)
         except OSError:
             pass  # the server is gone, and the ranks with it: its EOF says so
 
@@ -122,12 +134,15 @@ class ServerSpawner:
         elif isinstance(msg, Started):
             self.events.started(msg.token, msg.pid)
         elif isinstance(msg, Exited):
-            self.events.exited(msg.pid, msg.status)
+            self.events.exited(msg.pid, msg.status, msg.max_rss, msg.note)
         elif isinstance(msg, StartFailed):
             self.events.start_failed(msg.token, msg.reason)
 
     def _lost(self) -> None:
-        self.events.server_lost()  # its ranks died with it (parent-death signal)
+        # Its ranks died with it (parent-death signal).
+        server = self.server
+        self.events.server_lost(server.pid if server is not None else None,
+                                server.death() if server is not None else "ended")
 
     def _unregister(self, fileobj) -> None:
         try:
@@ -154,6 +169,7 @@ class ForkSpawner(ServerSpawner):
 
     def start(self, token: int, spec: RankSpec, fds: Sequence[int]) -> None:
         pid = fork_rank(spec, dict(zip(RANK_FDS, fds)))
+        _forked_oom.started(pid)
         self._send(Watch(pid))  # the server kills it if we die
         pidfd = servers.own_fd(os.pidfd_open(pid))
         self._pidfds[pid] = pidfd
@@ -174,8 +190,9 @@ class ForkSpawner(ServerSpawner):
             linux.kill_quiet(pid, signo)
 
     def signal_ranks(self, signo: int, pids: Sequence[int]) -> None:
-        for pid in pids:
-            linux.kill_quiet(pid, signo)
+        with self.lock:  # not reaped meanwhile (the caller checked they are alive)
+            for pid in pids:
+                linux.kill_quiet(pid, signo)
 
     def sweep(self, timeout: float = 5.0) -> None:
         if self._descendants:
@@ -191,14 +208,15 @@ class ForkSpawner(ServerSpawner):
         super().close()
 
     def _reap(self, pid: int) -> None:
-        status = reap_forked(pid)
-        if status is None:
-            return
-        pidfd = self._pidfds.pop(pid)
-        self._unregister(pidfd)
-        servers.close_fd(pidfd)
+        with self.lock:
+            reaped = reap_forked(pid)
+            if reaped is None:
+                return
+            pidfd = self._pidfds.pop(pid)
+            self._unregister(pidfd)
+            servers.close_fd(pidfd)
         self._send(Unwatch(pid))
-        self.events.exited(pid, status)
+        self.events.exited(pid, *reaped)
 
     def _lost(self) -> None:
         pass  # the ranks are ours, not the server's: they live on, and we reap them
@@ -300,14 +318,19 @@ def fork_rank(spec: RankSpec, fdmap: dict) -> int:
     return pid
 
 
-def reap_forked(pid: int) -> Optional[int]:
-    """Raw wait status of a forked rank that has exited, after killing what is left of
-    its process group (its pid cannot be reused before we reap it); None if still alive."""
+_forked_oom = OomWatch()
+
+
+def reap_forked(pid: int):
+    """(raw wait status, peak RSS in bytes or None, what the kernel says of its death or
+    None) of a forked rank that has exited, after killing what is left of its process
+    group (its pid cannot be reused before we reap it); None if still alive."""
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
+        _forked_oom.forget(pid)
         _adopt_end()
-        return 0
+        return 0, None, None
     if info is None:
         return None
     try:
@@ -315,10 +338,10 @@ def reap_forked(pid: int) -> Optional[int]:
         linux.killpg_quiet(pid, signal.SIGKILL)
         linux.wait_dead(members, timeout=2.0)
         try:
-            _, status = os.waitpid(pid, 0)
+            _, status, max_rss = reap(pid)
         except ChildProcessError:
-            return 0
-        return status
+            _forked_oom.forget(pid)
+            return 0, None, None
+        return status, max_rss, _forked_oom.exited(pid, status)
     finally:
         _adopt_end()
-

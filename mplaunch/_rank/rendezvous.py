@@ -54,6 +54,8 @@ def _patch_rendezvous(mod) -> None:
     original = handlers["env"]
 
     def env_handler(url, timeout=None, **kwargs):
+        from . import collectives
+        collectives.start()  # torch.distributed is being initialised
         host, _, port = os.environ.get("MPLAUNCH_STORE", "").rpartition(":")
         if (not host or os.environ.get("MASTER_ADDR") != host
                 or os.environ.get("MASTER_PORT") != port or "?" in url):

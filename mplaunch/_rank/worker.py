@@ -15,14 +15,20 @@ import signal
 import sys
 import time
 
-from . import procgroup, rendezvous, serve as serving, streams
+from . import collectives, procgroup, rendezvous, serve as serving, streams
 # Imported here, not when first used: the server imports this module before it forks
 # any rank (a forked rank finds them loaded), and every rank needs them.
 from .._wire import linux, mainmod, payload as wire_payload
 from .._wire.channel import send_framed
 from .._wire.exceptions import pack_exception
-from .._wire.messages import (EXIT_ERROR, EXIT_PARENT_GONE, MESSAGE_TAG, RESULT_TAG,
-                              STACK_SIGNAL, Raised, Returned)
+from .._wire.messages import (EXIT_CHANNEL_CLOSED, EXIT_ERROR, EXIT_PARENT_GONE,
+                              MESSAGE_TAG, RESULT_TAG, STACK_SIGNAL, Raised, Returned)
+
+
+class _ChannelClosed(Exception):
+    """The rank closed (or replaced) the fd of its result channel: nothing can reach
+    the parent that way any more."""
+
 
 _TERMINATION_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGCHLD", "SIGPIPE",
                         "SIGUSR1", "SIGUSR2")
@@ -51,6 +57,7 @@ def _take_over_process(fds: dict, expected_ppid: int, terminal: dict,
     streams.take_over(fds, terminal, unbuffered)
     faulthandler.enable(file=2, all_threads=True)
     faulthandler.register(STACK_SIGNAL, file=fds["stack"], all_threads=True, chain=False)
+    collectives.set_stack_fd(fds["stack"])
 
 
 def _lead_own_group(stdin) -> None:
@@ -109,6 +116,12 @@ def run_rank(spec, fds: dict, expected_ppid: int):
                            unbuffered=bool(spec.env.get("PYTHONUNBUFFERED")))
         _apply_spec(spec)
         code = _run_and_report(spec, fds)
+    except _ChannelClosed as exc:
+        code = EXIT_CHANNEL_CLOSED
+        try:
+            os.write(2, f"[mplaunch] rank {spec.rank}: {exc}\n".encode())
+        except OSError:
+            pass
     except BaseException:  # noqa: BLE001 - last resort: the parent sees the exit code
         try:
             import traceback
@@ -148,6 +161,8 @@ def _kill_descendants() -> None:
 def _run_and_report(spec, fds: dict) -> int:
     import socket
     sock = socket.socket(fileno=fds["result"])
+    global _channel_inode
+    _channel_inode = os.fstat(sock.fileno()).st_ino
     code = _call_and_report(sock, spec, fds["payload"], first=True)
     if spec.serve:
         # A World's rank: more calls follow, until the parent ends the world.
@@ -196,6 +211,8 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
                         f"({type(value).__name__}): {type(exc).__name__}: {exc}. Return "
                         "something picklable, or save it to a file and return the path.")
         err.__cause__ = exc
+        if spec.script is None:
+            err = _raised_at_return(func, err)
         if not spec.serve:
             procgroup.shield()
         _send_exception(sock, err, EXIT_ERROR)
@@ -204,6 +221,33 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
     for fd in tensor_fds:
         os.close(fd)
     return exitcode
+
+
+def _raised_at_return(func, err: BaseException) -> BaseException:
+    """`err` with a traceback frame at `func`'s return statement: the pickling failed
+    inside cloudpickle, but the line to look at is the one that returned the value
+    (its def line when there are several returns)."""
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return err
+    import dis
+    import linecache
+    lines = {i.positions.lineno for i in dis.get_instructions(code)
+             if i.opname.startswith("RETURN") and i.positions.lineno}
+    lines = {n for n in lines
+             if linecache.getline(code.co_filename, n).lstrip().startswith("return")}
+    line = lines.pop() if len(lines) == 1 else code.co_firstlineno
+
+    def _raise(e):
+        raise e
+
+    at = _raise.__code__.replace(co_filename=code.co_filename, co_name=code.co_name,
+                                 co_firstlineno=line - 1)
+    try:
+        type(_raise)(at, {})(err)
+    except BaseException as raised:  # noqa: BLE001
+        return raised
+    return err
 
 
 def _exit_code(code) -> int:
@@ -220,10 +264,26 @@ def _send(sock, msg) -> None:
     _send_raw(sock, MESSAGE_TAG + pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), ())
 
 
+_channel_inode = None
+
+
+def _check_channel(sock) -> None:
+    try:
+        intact = os.fstat(sock.fileno()).st_ino == _channel_inode
+    except OSError:
+        intact = False
+    if not intact:
+        raise _ChannelClosed(
+            f"its result channel (fd {sock.fileno()}) was closed before it returned, so "
+            "its result or error cannot reach mplaunch (did it close file descriptors "
+            "it did not open, e.g. os.closerange(3, ...)?)")
+
+
 def _send_raw(sock, data: bytes, fds) -> None:
     # What the call printed reaches the pipes before its answer reaches the parent: a
     # World's run ends with all of its own output (a last line without its newline too).
     _flush_streams()
+    _check_channel(sock)
     try:
         send_framed(sock, data, fds)
     except OSError:

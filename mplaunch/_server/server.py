@@ -27,6 +27,7 @@ import traceback
 
 from .._wire import linux
 from .._wire.channel import RANK_FDS, recv_obj, send_obj
+from .._wire.memory import OomWatch, reap
 from .._wire.messages import (BecomeRank, ExecRank, Exited, Hello, OpenChannel,
                               SignalGroups, SignalRanks, Started, StartFailed, StartRank,
                               Sweep, Swept, Unwatch, Watch)
@@ -56,6 +57,7 @@ class Server:
         self.zygotes: set = set()
         self.rank_owner: dict = {}   # pid -> _Launch (None once its launch closed)
         self.pid = os.getpid()
+        self.oom = OomWatch()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -158,6 +160,7 @@ class Server:
             os.close(fd)
         launch.ranks.add(pid)
         self.rank_owner[pid] = launch
+        self.oom.started(pid)
         self._reply(launch, Started(token, pid))
 
     def _fork_zygote(self) -> None:
@@ -250,9 +253,10 @@ class Server:
                 # killing its group now is safe, and leaves none of its children behind.
                 linux.killpg_quiet(pid, signal.SIGKILL)
             try:
-                _, status = os.waitpid(pid, 0)
+                _, status, max_rss = reap(pid)
             except ChildProcessError:
                 continue
+            note = self.oom.exited(pid, status)
             if pid in self.zygotes:
                 self.zygotes.discard(pid)
                 for entry in [e for e in self.pool if e[0] == pid]:
@@ -263,7 +267,7 @@ class Server:
             if launch is not None:
                 launch.ranks.discard(pid)
                 if launch.sock.fileno() != -1:
-                    self._reply(launch, Exited(pid, status))
+                    self._reply(launch, Exited(pid, status, max_rss, note))
 
     def _kill_orphans(self) -> int:
         """Kill every process below us that is neither a live rank nor in a live rank's

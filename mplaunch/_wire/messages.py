@@ -35,6 +35,7 @@ STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else signal.SI
 # Exit codes of a rank that the launching process reads as a reason.
 EXIT_ERROR = 1          # the function raised (its Raised message says what)
 EXIT_PARENT_GONE = 70   # the server died before the rank could arm its death signal
+EXIT_CHANNEL_CLOSED = 71  # the rank closed its result socket before it could answer
 
 # Tags of the framed messages on a rank's result socket (first byte of each frame).
 RESULT_TAG = b"o"       # a return value, pickled with its tensors' fds (_wire.payload)
@@ -118,6 +119,8 @@ class Exited(NamedTuple):
     tag = "exited"
     pid: int
     status: int         # raw wait status
+    max_rss: Optional[int] = None   # its peak resident memory, bytes (rusage of wait4)
+    note: Optional[str] = None      # what the kernel says of its death (the OOM killer)
 
 
 class Swept(NamedTuple):

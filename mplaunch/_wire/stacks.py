@@ -1,12 +1,21 @@
 """Where a rank was, read back from text: its faulthandler dump (where it waits, for a
-timeout's message) and its traceback (where it failed, for a failure's one line)."""
+timeout's message and stacks on demand) and its traceback (where it failed, for a
+failure's one line).
+
+Several ranks' stacks are shown grouped: ranks at the same place share one block, so
+64 ranks at one line read as one stack, and the rank that is elsewhere stands out. A
+rank with torch.distributed initialised also sends, next to its dump, the sequence
+number of its default group's last collective (``COLLECTIVE_MARK`` records, written by
+_rank.collectives); with the collective its dump shows it in, that says which
+ranks are behind.
+"""
 from __future__ import annotations
 
 import linecache
 import os
 import re
 import sysconfig
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
@@ -20,21 +29,83 @@ INNERMOST = 4
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 NO_STACK = "no stack arrived (it did not answer in time)"
 
+# A rank's answer about its collectives, inside its stack text: MARK + json + END. NUL
+# never appears in a faulthandler dump, so the record is found wherever it landed.
+COLLECTIVE_MARK = "\x00mplaunch-collectives "
+COLLECTIVE_END = "\x00"
+_RECORD = re.compile(re.escape(COLLECTIVE_MARK) + "(?P<json>[^\x00]*)" + COLLECTIVE_END)
+REPORTER = COLLECTIVE_MARK + '{"reporter": true}' + COLLECTIVE_END
+_C10D = os.sep + os.path.join("torch", "distributed", "distributed_c10d.py")
 
-def parse_dump(text: str) -> List[Tuple[str, List[Tuple[str, int, str]]]]:
-    """[(thread header, [(file, line, func), ...innermost first])]"""
+
+def split_record(text: str) -> Tuple[str, Optional[dict]]:
+    """(the dump without collective records, the last record or None)."""
+    import json
+    record = None
+    for m in _RECORD.finditer(text):
+        try:
+            found = json.loads(m["json"])
+        except ValueError:
+            continue
+        if "reporter" not in found:  # its announcement says only that it runs
+            record = found
+    return _RECORD.sub("", text), record
+
+
+def _raw_threads(text: str):
+    """[(header, frames)], the main thread's header "Current thread ...": in a dump
+    written by a rank's collectives reporter, the current thread is the reporter's, and
+    its record names the main one."""
+    text, record = split_record(text)
+    main = record.get("main") if record else None
     threads = []
     for line in text.splitlines():
         m = _THREAD.match(line)
         if m:
-            threads.append((line.rstrip(":").replace(" (most recent call first)", ""), []))
+            header = line.rstrip(":").replace(" (most recent call first)", "")
+            if main is not None:
+                header = ("Current thread " if m.group(2) == main else "Thread ") + m.group(2)
+            threads.append((header, []))
             continue
         f = _FRAME.match(line)
-        if f and threads and not f["file"].startswith(_OWN_DIR) and f["file"] != "<string>":
-            # mplaunch's own frames (the server's loop, the worker's bootstrap) are
-            # below every rank's stack and say nothing about where it waits
+        if f and threads:
             threads[-1][1].append((f["file"], int(f["line"]), f["func"]))
     return threads
+
+
+def _users_frames(frames):
+    """Without mplaunch's own frames (the server's loop, the worker's bootstrap: below
+    every rank's stack, they say nothing about where it waits), nor the `python -c`
+    code that started the process, which is outside them. A user's function defined
+    in `python -c` code runs inside them, so its frames ("<string>") stay."""
+    own = [i for i, f in enumerate(frames) if f[0].startswith(_OWN_DIR)]
+    innermost_own = own[0] if own else len(frames)
+    return [f for i, f in enumerate(frames) if not f[0].startswith(_OWN_DIR)
+            and not (f[0] == "<string>" and i > innermost_own)]
+
+
+def parse_dump(text: str) -> List[Tuple[str, List[Tuple[str, int, str]]]]:
+    """[(thread header, [(file, line, func), ...innermost first])]; threads that ran
+    only mplaunch's code (a rank's collectives reporter) are left out."""
+    threads = []
+    for header, frames in _raw_threads(text):
+        main = header.startswith("Current")
+        if not main and frames and frames[0][0].startswith(_OWN_DIR):
+            continue  # a thread of mplaunch's own, waiting in its code
+        threads.append((header, _users_frames(frames)))
+    return threads
+
+
+def collective_of(text: str) -> Optional[str]:
+    """The torch.distributed function the main thread of this dump is in
+    ("all_reduce"), or None."""
+    threads = _raw_threads(text)
+    main = [t for t in threads if t[0].startswith("Current")] or threads[-1:]
+    for _header, frames in main:
+        for file, _line, func in frames:
+            if file.endswith(_C10D):
+                return func
+    return None
 
 
 def format_frames(frames, limit: int = INNERMOST) -> List[str]:
@@ -53,36 +124,138 @@ def format_frames(frames, limit: int = INNERMOST) -> List[str]:
     return out
 
 
+def collective_line(dump: str) -> Optional[str]:
+    """What this rank's dump says about collectives: the one it is in and the default
+    group's sequence number, when torch.distributed is initialised in it (its
+    reporter answered, or a torch.distributed function is on its stack); else None."""
+    record = split_record(dump)[1]
+    name = collective_of(dump)
+    if record is None and name is None:
+        return None
+    if record is not None and not record.get("initialized", True):
+        return None
+    seq = record.get("seq") if record else None
+    if name is not None:
+        number = (f"collective {seq} of its default group" if seq is not None
+                  else "collective number unknown (" + (
+                      record.get("why") if record and record.get("why") else
+                      "the rank did not report it") + ")")
+        return f"in torch.distributed.{name}: {number}"
+    if seq is not None:
+        return f"in no collective; its default group has started {seq}"
+    return None
+
+
+def sequence_of(dump: str) -> Tuple[Optional[int], bool]:
+    """(the default group's sequence number or None, whether the rank is inside a
+    collective)."""
+    record = split_record(dump)[1]
+    seq = record.get("seq") if record else None
+    return (seq if isinstance(seq, int) else None), collective_of(dump) is not None
+
+
 def readable_stack(dump: str) -> str:
-    """One rank's faulthandler dump as the timeout's message shows it: the innermost
-    frames of each thread, main thread first, with source lines, without mplaunch's own
-    frames. Text that is not a dump is kept as it is."""
+    """One rank's faulthandler dump as the timeout's message shows it: the collective
+    it is in, then the innermost frames of each thread, main thread first, with source
+    lines, without mplaunch's own frames. Text that is not a dump is kept as it is."""
     threads = parse_dump(dump)
     if not threads:
-        return dump.strip("\n") or NO_STACK
+        return split_record(dump)[0].strip("\n") or NO_STACK
     lines = []
+    collective = collective_line(dump)
+    if collective:
+        lines.append(collective)
     # The main thread is listed last by faulthandler; show it first.
     ordered = sorted(threads, key=lambda t: 0 if t[0].startswith("Current") else 1)
     for header, frames in ordered:
+        shown = format_frames(frames) or ["(only mplaunch's own frames: between calls, "
+                                          "or starting)"]
         if len(threads) > 1:
-            lines.append(f"{header}:")
-            lines.extend("  " + line for line in format_frames(frames))
+            # Without its address, which differs from rank to rank at the same place.
+            lines.append("main thread:" if header.startswith("Current") else "thread:")
+            lines.extend("  " + line for line in shown)
         else:
-            lines.extend(format_frames(frames))
+            lines.extend(shown)
     return "\n".join(lines)
+
+
+def rank_list(ranks: Sequence[int]) -> str:
+    """'rank 3', 'ranks 0, 2, 3', 'ranks 0-31, 33' (runs of three or more as ranges)."""
+    ranks = sorted(ranks)
+    parts, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{ranks[i]}-{ranks[j]}")
+        else:
+            parts.extend(str(r) for r in ranks[i:j + 1])
+        i = j + 1
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+def group_stacks(readable: Dict[int, str]) -> List[Tuple[List[int], str]]:
+    """[(ranks, text)] with identical texts together, the biggest group first (then by
+    lowest rank)."""
+    groups: Dict[str, List[int]] = {}
+    for rank in sorted(readable):
+        groups.setdefault(readable[rank], []).append(rank)
+    return sorted(((ranks, text) for text, ranks in groups.items()),
+                  key=lambda g: (-len(g[0]), g[0][0]))
+
+
+def behind(stacks: Dict[int, str]) -> Optional[str]:
+    """'rank 1 is at collective 41; ranks 0, 2, 3 wait in 42': where ranks' default
+    groups disagree on the collective sequence number, or None."""
+    where: Dict[Tuple[int, bool], List[int]] = {}
+    for rank, dump in stacks.items():
+        seq, inside = sequence_of(dump)
+        if seq is not None:
+            where.setdefault((seq, inside), []).append(rank)
+    if len({seq for seq, _ in where}) < 2:
+        return None
+    parts = []
+    for (seq, inside), ranks in sorted(where.items()):
+        who = rank_list(ranks)
+        if inside:
+            parts.append(f"{who} wait{'s' if len(ranks) == 1 else ''} in {seq}")
+        else:
+            parts.append(f"{who} {'is' if len(ranks) == 1 else 'are'} at collective {seq}")
+    return "; ".join(parts)
 
 
 def summarize_stacks(stacks: Dict[int, str]) -> str:
-    """Every rank's readable stack, rank by rank. `stacks` maps rank to its raw dump."""
+    """Every rank's readable stack, identical ones once under the list of their ranks,
+    the biggest group first; led by which ranks are behind in their collectives.
+    `stacks` maps rank to its raw dump."""
     lines = []
-    for rank in sorted(stacks):
-        text = readable_stack(stacks[rank])
+    lagging = behind(stacks)
+    if lagging:
+        lines.append(f"collectives: {lagging}")
+    readable = {rank: readable_stack(dump) for rank, dump in stacks.items()}
+    for ranks, text in group_stacks(readable):
         if text == NO_STACK:
-            lines.append(f"rank {rank}: {NO_STACK}")
+            lines.append(f"{rank_list(ranks)}: {NO_STACK}")
             continue
-        lines.append(f"rank {rank}:")
+        lines.append(f"{rank_list(ranks)}:")
         lines.extend("  " + line for line in text.splitlines())
     return "\n".join(lines)
+
+
+class RankStacks(dict):
+    """{rank: where it is} as a timeout's message shows each rank; ``str()`` (and
+    ``print``) shows them grouped. ``raw`` holds each rank's full dump."""
+
+    def __init__(self, raw: Dict[int, str]):
+        super().__init__({rank: readable_stack(raw[rank]) for rank in sorted(raw)})
+        self.raw = dict(raw)
+
+    def __str__(self) -> str:
+        return summarize_stacks(self.raw) if self.raw else "no rank is running"
+
+    def __reduce__(self):
+        return (RankStacks, (self.raw,))
 
 
 def _library_dirs() -> Tuple[str, ...]:
