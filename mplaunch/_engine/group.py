@@ -31,6 +31,7 @@ from .._wire.spec import RankSpec
 from ..errors import RankFailure, signal_name
 
 _DRAIN_WAIT = 2.0      # how long output pipes may stay open after every rank is gone
+_MAX_SELECT = 86400.0
 _EXIT_WAIT = 10.0      # how long close() waits for SIGKILLed ranks to be reaped
 
 
@@ -178,6 +179,10 @@ class RankGroup:
         if td is not None and not td.killed:
             left = max(0.0, td.kill_at - time.monotonic())
             timeout = left if timeout is None else min(timeout, left)
+        if timeout is not None:
+            # epoll takes at most ~24 days (an int of ms); callers loop until their
+            # deadline, so a longer limit is waited out in slices.
+            timeout = min(timeout, _MAX_SELECT)
         for key, _ in self._sel.select(timeout):
             self._dispatch(key)
         if td is not None and not td.killed and time.monotonic() >= td.kill_at:
