@@ -65,7 +65,9 @@ def launch(
             process starts.
         nprocs: number of ranks on this node, or ``"auto"``: one per visible GPU, else
             one per CPU this process may use. Default: one per entry of a ``gpus``
-            list, else 1.
+            list, else 1. At most 32 per CPU (at least 256), and no more than the
+            process limit (``ulimit -u``) or half the kernel's ``pid_max``; set
+            ``MPLAUNCH_MAX_NPROCS`` to allow more.
         start_method: ``"forkserver"`` (default: ranks are forked from a warm server
             process that has imported torch, never the caller's process), ``"spawn"``
             (each rank a fresh interpreter) or ``"fork"`` (a fork of the caller; refused
@@ -78,7 +80,8 @@ def launch(
             whole launch.
         grace_period: seconds between SIGTERM and SIGKILL when tearing ranks down.
         timeout: seconds; past it every rank's stack is collected and
-            :class:`~mplaunch.LaunchTimeout` is raised.
+            :class:`~mplaunch.LaunchTimeout` is raised. ``None`` or ``float("inf")``
+            for no limit.
         max_restarts: on a failure, start the whole group again up to this many times
             (``RESTART_COUNT`` tells each attempt which it is).
         preload: modules the forkserver imports once, before it forks any rank, so
@@ -90,9 +93,11 @@ def launch(
             ``node_rank``, ``host``. ``None`` or ``""`` for none.
         relay: relay the ranks' stdout and stderr to this process's ``sys.stdout`` and
             ``sys.stderr``.
-        ranks_filter: relay only these ranks' output (all still go to ``log_dir``).
+        ranks_filter: relay only these local ranks' output (all still go to
+            ``log_dir``).
         log_dir: write ``log_dir/attempt_<n>/<rank>/stdout.log`` and ``stderr.log``, and
-            ``error.json`` for a failing rank.
+            ``error.json`` for a failing rank. Created if missing; checked (a
+            directory this process may write in) before anything starts.
         nnodes, node_rank: for more than one machine: every node calls ``launch``
             with the same ``nprocs``, ``master_addr`` and ``master_port``, and its own
             ``node_rank``; node 0 hosts the store. Global rank = ``node_rank * nprocs +

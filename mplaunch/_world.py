@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import logging
 import sys
+import threading
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVar
 
 from ._engine import servers, signals
@@ -84,6 +85,10 @@ class World:
         self._generation = 0       # how many times ranks were started
         self._fresh: List[int] = []
         self._closed = False
+        # One call at a time: a call's replies are read from the ranks' sockets in the
+        # order they come, and two callers would take each other's (and register the
+        # same fds twice with the selector). A second thread's run() waits its turn.
+        self._lock = threading.RLock()
         _open.add(self)
 
     # -- public ----------------------------------------------------------------------
@@ -113,10 +118,11 @@ class World:
 
     def start(self) -> "World":
         """Start the ranks now (else the first run() does)."""
-        if self._closed:
-            raise RuntimeError("this World is closed; make a new one")
-        if self._attempt is None:
-            self._start()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this World is closed; make a new one")
+            if self._attempt is None:
+                self._start()
         return self
 
     def run(self, func: Callable[..., T], args: Sequence[Any] = (),
@@ -129,24 +135,38 @@ class World:
         ranks and here, the world kept (:class:`~mplaunch.MainProcessError` with
         ``heal=False``, or for SIGTERM, SIGHUP, SIGQUIT or a second SIGINT)."""
         check_call(func, args, kwargs)
-        timeout = seconds("timeout", timeout, optional=True)
+        # None: the world's own timeout; inf: none, for this call (the loop's deadline
+        # is then never reached, and its waits are sliced).
+        if timeout != float("inf"):
+            timeout = seconds("timeout", timeout, optional=True)
         payload = dumps_payload(func, args, kwargs or {})
-        self.start()
-        self._fresh = []
-        if self.heal:
-            return self._healing_call(payload, timeout)
-        return self._call(payload, timeout)
+        with self._lock:
+            self.start()
+            self._fresh = []
+            if self.heal:
+                return self._healing_call(payload, timeout)
+            return self._call(payload, timeout)
 
     def restart(self) -> "World":
         """End the ranks and start fresh ones."""
-        self._stop()
-        return self.start()
+        with self._lock:
+            self._stop()
+            return self.start()
 
     def close(self) -> None:
-        """End every rank and release the store's port. Idempotent."""
+        """End every rank and release the store's port. Idempotent; from another thread
+        it ends the call in progress there (which raises) instead of waiting for it."""
         self._closed = True
         _open.discard(self)
-        self._stop()
+        if not self._lock.acquire(blocking=False):
+            attempt = self._attempt
+            if attempt is not None:
+                attempt.request_stop()  # the running call tears down and raises
+            self._lock.acquire()
+        try:
+            self._stop()
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> "World":
         return self

@@ -167,6 +167,11 @@ def test_timeout(refuses, value):
 
 
 @pytest.mark.parametrize("kw,match", [
+    # issue 18: accepted, or refused only after processes had started
+    (dict(nprocs=10 ** 6), r"nprocs=1000000 is more ranks .*MPLAUNCH_MAX_NPROCS"),
+    (dict(nprocs=2, ranks_filter=[99]), r"ranks_filter names local rank 99.*ranks 0-1"),
+    (dict(nprocs=2, stdin_rank=5), r"stdin_rank=5 is not a rank of this launch"),
+    (dict(grace_period=float("inf")), "grace_period must be .* finite"),
     (dict(max_restarts=-1), "max_restarts must be an int >= 0"),
     (dict(max_restarts=1.0), "max_restarts must be an int >= 0"),
     (dict(nnodes=0), "nnodes must be an int >= 1"),
@@ -183,9 +188,25 @@ def test_other_values(refuses, kw, match):
     (dict(prefix=5), "prefix must be a str template or None"),
     (dict(preload=[1]), r"preload must be a list of module names"),
     (dict(ranks_filter=["0"]), "ranks_filter must be a collection of local rank numbers"),
+    (dict(log_dir=3), r"log_dir must be a directory path .* got int 3"),
 ])
 def test_other_types(refuses, kw, match):
     refuses(TypeError, match, **kw)
+
+
+def test_log_dir_that_is_a_file_or_unwritable(refuses, tmp_path):
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    refuses(ValueError, "log_dir .* is not a directory", log_dir=str(a_file / "logs"))
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("this process may write anywhere (root)")
+        refuses(ValueError, "log_dir .* is not writable", log_dir=str(locked / "logs"))
+    finally:
+        locked.chmod(0o700)
 
 
 # -- pickling ----------------------------------------------------------------------------

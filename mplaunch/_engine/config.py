@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import multiprocessing
 import numbers
 import os
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 from . import devices, servers
+from .checks import check_backend, check_nprocs_limit, log_dir, working_directory
 from .env import allowed_cpus, cpu_count, rank_env, user_env_for
 from .slurm import layout as slurm_layout
 from .terminal import check_stdin_rank
@@ -98,7 +100,7 @@ def rank_specs(cfg: LaunchConfig, attempt: int, port: int,
     the store and its own RESTART_COUNT)."""
     base = dict(os.environ)
     host = socket.gethostname()
-    cwd = os.getcwd()
+    cwd = working_directory()
     path = tuple(sys.path)
     specs = []
     for lr in range(cfg.nprocs):
@@ -129,6 +131,7 @@ def validate(func: Callable[..., Any], args: Any, nprocs: Any,
     unknown = sorted(set(options) - set(OPTION_DEFAULTS))
     if unknown:
         raise TypeError(_unknown_option_message(unknown[0]))
+    working_directory()   # before anything imports torch: it cannot, from a deleted one
     o = dict(OPTION_DEFAULTS, **options)
     check_call(func, args, o["kwargs"])
     backend, gpus, cpus = _backend(o["backend"]), _gpus(o["gpus"]), _cpus(o["cpus"])
@@ -148,7 +151,10 @@ def validate(func: Callable[..., Any], args: Any, nprocs: Any,
         raise ValueError("gpus= and env= both set CUDA_VISIBLE_DEVICES; give the ranks "
                          "their GPUs with one of them")
     placement = devices.place(nprocs, gpus, cpus, backend, os.environ, allowed_cpus())
-    log_dir = o["log_dir"]
+    stdin_rank = check_stdin_rank(o["stdin_rank"])
+    if stdin_rank is not None and stdin_rank >= nnodes * nprocs:
+        raise ValueError(f"stdin_rank={stdin_rank} is not a rank of this launch (ranks "
+                         f"0-{nnodes * nprocs - 1}); name one of them, or None for none")
     return LaunchConfig(
         nprocs=nprocs, nnodes=nnodes, node_rank=node_rank,
         start_method=_start_method(o["start_method"]),
@@ -159,9 +165,9 @@ def validate(func: Callable[..., Any], args: Any, nprocs: Any,
         preload=_preload(o["preload"]),
         prefix=_prefix(o["prefix"]),
         relay=bool(o["relay"]),
-        ranks_filter=_ranks_filter(o["ranks_filter"]),
-        log_dir=None if log_dir is None else os.fspath(log_dir),
-        user_envs=user_envs, stdin_rank=check_stdin_rank(o["stdin_rank"]), script=script,
+        ranks_filter=_ranks_filter(o["ranks_filter"], nprocs),
+        log_dir=log_dir(o["log_dir"]),
+        user_envs=user_envs, stdin_rank=stdin_rank, script=script,
         backend=backend, gpus=placement.gpus, cpus=placement.cpus,
         stdout=sys.stdout, stderr=sys.stderr)
 
@@ -186,6 +192,7 @@ def resolve_nprocs(nprocs: Any, gpus: Any = None) -> int:
     if not _is_int(nprocs) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, 'auto', or None (1, or one per "
                          f"entry of a gpus= list), got {nprocs!r}")
+    check_nprocs_limit(nprocs)
     return int(nprocs)
 
 
@@ -205,6 +212,7 @@ def _backend(backend) -> Optional[str]:
     if backend is not None and (not isinstance(backend, str) or not backend.strip()):
         raise TypeError(f"backend must be a str such as 'gloo', 'nccl' or "
                         f"'cpu:gloo,cuda:nccl', or None, got {backend!r}")
+    check_backend(backend)   # a name torch.distributed knows
     return backend
 
 
@@ -301,13 +309,17 @@ def _start_method(start_method) -> str:
 
 
 def seconds(name: str, value, optional: bool = False):
+    """A number of seconds; for an optional limit, None or inf mean no limit."""
     if value is None and optional:
         return None
     if (not isinstance(value, numbers.Real) or isinstance(value, bool)
-            or value != value or value < 0 or (optional and value == 0)):
-        raise ValueError(f"{name} must be a number of seconds >= 0"
-                         f"{' (> 0), or None for no limit' if optional else ''}"
-                         f", got {value!r}")
+            or value != value or value < 0 or (optional and value == 0)
+            or (not optional and math.isinf(value))):
+        allowed = ("a number of seconds > 0, or None for no limit (inf too)" if optional
+                   else "a number of seconds >= 0, and finite")
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    if optional and math.isinf(value):
+        return None
     return value
 
 
@@ -335,7 +347,7 @@ def _prefix(prefix) -> str:
     return prefix
 
 
-def _ranks_filter(ranks_filter) -> Optional[FrozenSet[int]]:
+def _ranks_filter(ranks_filter, nprocs: int) -> Optional[FrozenSet[int]]:
     if ranks_filter is None:
         return None
     if isinstance(ranks_filter, numbers.Integral):
@@ -343,4 +355,9 @@ def _ranks_filter(ranks_filter) -> Optional[FrozenSet[int]]:
     ranks = frozenset(ranks_filter)
     if not all(_is_int(r) for r in ranks):
         raise TypeError("ranks_filter must be a collection of local rank numbers")
+    outside = sorted(r for r in ranks if not 0 <= r < nprocs)
+    if outside:
+        raise ValueError(f"ranks_filter names local rank {outside[0]}, but this node "
+                         f"has ranks 0-{nprocs - 1} (nprocs={nprocs}); name ranks in "
+                         f"that range")
     return ranks

@@ -31,6 +31,7 @@ from .._wire.spec import RankSpec
 from ..errors import RankFailure, signal_name
 
 _DRAIN_WAIT = 2.0      # how long output pipes may stay open after every rank is gone
+_MAX_SELECT = 86400.0
 _EXIT_WAIT = 10.0      # how long close() waits for SIGKILLed ranks to be reaped
 
 
@@ -67,7 +68,7 @@ class RankGroup:
         self._sel = selectors.DefaultSelector()
         self._waker = waker
         self._closed = False
-        self.heal, self.answered = False, set()   # a healing World's call: see fail()
+        self.heal = False   # a healing World's call: see fail()
 
     @property
     def running(self) -> bool:
@@ -143,8 +144,7 @@ class RankGroup:
         """Ask every rank (or these) to run the payload in `payload_fd` next; wait()
         until ``replied``."""
         for r in self.ranks if ranks is None else ranks:
-            self.answered.discard(r.local_rank)
-            r.has_result, r.result = False, None
+            r.has_result, r.result, r.error = False, None, None
             send_framed(r.reader.sock, CALL_TAG, [payload_fd])
 
     @property
@@ -182,6 +182,10 @@ class RankGroup:
         if td is not None and not td.killed:
             left = max(0.0, td.kill_at - time.monotonic())
             timeout = left if timeout is None else min(timeout, left)
+        if timeout is not None:
+            # epoll takes at most ~24 days (an int of ms); callers loop until their
+            # deadline, so a longer limit is waited out in slices.
+            timeout = min(timeout, _MAX_SELECT)
         for key, _ in self._sel.select(timeout):
             self._dispatch(key)
         if td is not None and not td.killed and time.monotonic() >= td.kill_at:
@@ -216,7 +220,6 @@ class RankGroup:
             try:
                 r.result = loads_result(body, fds)
                 r.has_result = True
-                self.answered.add(r.local_rank)
             except Exception as exc:  # noqa: BLE001
                 r.error = Raised(None, type(exc).__name__,
                                  f"the parent could not unpickle rank {r.spec.rank}'s "
@@ -229,7 +232,6 @@ class RankGroup:
         msg = pickle.loads(body)
         if isinstance(msg, Returned):
             r.result, r.has_result = msg.value, True
-            self.answered.add(r.local_rank)
         elif isinstance(msg, Raised):
             r.error = msg
             # An error raised after the teardown began is its consequence, not a cause.
@@ -290,9 +292,7 @@ class RankGroup:
         """Record a failure of this node and tear the group down; in a healing World's
         call, a rank's failure is its answer instead (_engine.heal decides the rest)."""
         self.failures.append(failure)
-        if self.heal and not self.stopping and failure.local_rank is not None:
-            self.answered.add(failure.local_rank)
-        else:
+        if not self.heal or failure.local_rank is None:
             self.stop(signal.SIGTERM)
 
     def node_failure(self, message: str) -> RankFailure:

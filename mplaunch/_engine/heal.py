@@ -66,7 +66,10 @@ class CallDriver:
         """Until every rank has answered, or the group is being torn down."""
         attempt, group = self.attempt, self.attempt.group
         grace = attempt.cfg.grace_period
-        timeout = attempt.cfg.timeout if timeout is None else timeout
+        if timeout is None:
+            timeout = attempt.cfg.timeout     # the world's
+        elif timeout == float("inf"):
+            timeout = None                    # none for this call, whatever the world's
         deadline = None if timeout is None else time.monotonic() + timeout
         while group.running and not group.stopping and not _all_answered(group):
             group.wait(self._wait(deadline, grace))
@@ -117,8 +120,7 @@ class CallDriver:
         if self._interrupt_at is None or now < self._interrupt_at:
             return
         group = self.attempt.group
-        silent = [r for r in group.ranks
-                  if r.local_rank not in group.answered and r.signalable]
+        silent = [r for r in group.ranks if not _answered(r) and r.signalable]
         if silent and now >= self._sent_at + RESEND:
             group.send_signal(signal.SIGINT, silent)
             self._sent_at = now
@@ -174,9 +176,13 @@ def _lost_peer(f) -> bool:
     return f.exc_type == "RuntimeError" and any(s in (f.message or "") for s in _LOST_PEER)
 
 
+def _answered(r: RankState) -> bool:
+    """The rank answered this call: with a result, an error, or by dying."""
+    return r.has_result or r.error is not None or not r.alive
+
+
 def _all_answered(group: RankGroup) -> bool:
-    """Every rank answered this call, with a result or an error (or by dying)."""
-    return len(group.answered) == len(group.ranks)
+    return all(_answered(r) for r in group.ranks)
 
 
 def replace_rank(group: RankGroup, local_rank: int, payload_fd: int) -> RankState:
@@ -199,7 +205,6 @@ def replace_rank(group: RankGroup, local_rank: int, payload_fd: int) -> RankStat
     # not from the set-up that a spec's backend asks for (key space 0).
     new = RankState(dataclasses.replace(group._specs[local_rank], backend=None))
     group.ranks[local_rank] = new
-    group.answered.discard(local_rank)
     group._start_one(new, payload_fd)
     while new.pid is None and new.alive:
         group.spawner.pump()

@@ -4,14 +4,30 @@ The first node to see a failure claims it (compare_set: first writer wins), ever
 tears its ranks down, the claiming node publishes the failure's details, and every node
 raises that same error. Each node marks each attempt done; node 0 keeps the store up
 until every node has, so nobody loses the report.
+
+The store has no authentication: whoever reaches its port can set any key. So what
+nodes read from it is data, never code: reports are JSON (a rank's exception travels as
+its type name, message and traceback text, never as a pickle), node numbers are parsed
+as ints, and with MPLAUNCH_TOKEN set in every node's environment each report carries an
+HMAC of it, so a report nobody with the token wrote is refused.
 """
 from __future__ import annotations
 
-import pickle
+import hashlib
+import hmac
+import json
+import logging
+import os
 import time
 from typing import Optional
 
-from ..errors import signal_name
+from .._wire.messages import Raised
+from ..errors import RankFailure, signal_name
+
+log = logging.getLogger("mplaunch")
+TOKEN_ENV = "MPLAUNCH_TOKEN"
+_FAILURE_FIELDS = RankFailure.__slots__
+_ERROR_FIELDS = ("type", "message", "traceback", "exitcode", "timestamp")
 
 POLL_INTERVAL = 0.1  # network state has no fd to wait on; 10 checks a second is plenty
 
@@ -37,23 +53,40 @@ class NodeWatch:
         """Claim the failure for this node; returns the node that holds the claim."""
         won = self._call(self.store.compare_set, self.prefix + "failed", "",
                          str(self.node_rank))
-        return int(won)
+        return self._node_number(won)
 
     def failed_node(self) -> Optional[int]:
         if self._call(self.store.check, [self.prefix + "failed"]):
-            return int(self._call(self.store.get, self.prefix + "failed"))
+            return self._node_number(self._call(self.store.get, self.prefix + "failed"))
         return None
+
+    def _node_number(self, raw) -> int:
+        try:
+            node = int(raw)
+        except (TypeError, ValueError):
+            node = -1
+        if not 0 <= node < self.nnodes:
+            raise NodeLost(f"the launch's store holds {raw[:40]!r} where a node number "
+                           f"was expected: something other than mplaunch writes to it")
+        return node
 
     def publish(self, failures, error_msg) -> None:
         self._call(self.store.set, self.prefix + "report",
-                   pickle.dumps((failures, error_msg)))
+                   encode_report(failures, error_msg))
 
     def report(self, wait: float):
-        """(failures, error message tuple) published by the failing node, or None."""
+        """(failures, error message tuple) published by the failing node, or None (also
+        for a report that is not one)."""
         end = time.monotonic() + wait
         while time.monotonic() < end:
             if self._call(self.store.check, [self.prefix + "report"]):
-                return pickle.loads(self._call(self.store.get, self.prefix + "report"))
+                raw = self._call(self.store.get, self.prefix + "report")
+                try:
+                    return decode_report(raw)
+                except ValueError as exc:
+                    log.warning("mplaunch ignored the failure report in its store: %s",
+                                exc)
+                    return None
             time.sleep(POLL_INTERVAL)
         return None
 
@@ -62,6 +95,56 @@ class NodeWatch:
 
     def all_done(self) -> bool:
         return self._call(self.store.add, self.prefix + "done", 0) >= self.nnodes
+
+
+def _mac(token: str, body: bytes) -> str:
+    return hmac.new(token.encode(), body, hashlib.sha256).hexdigest()
+
+
+def encode_report(failures, error_msg: Optional[Raised]) -> bytes:
+    """JSON for what a failing node tells the others: its failures, and the first
+    failing rank's exception as text (its pickle, `blob`, stays here)."""
+    error = None
+    if error_msg is not None:
+        r = error_msg
+        error = dict(zip(_ERROR_FIELDS, (r.type_name, r.message, r.traceback, r.exitcode,
+                                         r.timestamp)))
+    body = json.dumps({"failures": [{k: getattr(f, k) for k in _FAILURE_FIELDS}
+                                    for f in failures],
+                       "error": error}).encode()
+    token = os.environ.get(TOKEN_ENV)
+    return json.dumps({"body": body.decode(),
+                       "mac": _mac(token, body) if token else None}).encode()
+
+
+def decode_report(raw):
+    """(failures, Raised or None) from encode_report's bytes; ValueError for
+    anything else, a report signed with another token, or an unsigned one where this
+    node has a token."""
+    try:
+        outer = json.loads(raw)
+        body = outer["body"].encode()
+        mac = outer["mac"]
+        data = json.loads(body)
+        failures = [RankFailure(**{k: _plain(d[k]) for k in _FAILURE_FIELDS if k in d})
+                    for d in data["failures"]]
+        error = data["error"]
+        error_msg = None if error is None else Raised(
+            None, *(_plain(error[k]) for k in _ERROR_FIELDS))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a node report ({type(exc).__name__}: {exc})") from None
+    token = os.environ.get(TOKEN_ENV)
+    if token and not (isinstance(mac, str) and hmac.compare_digest(mac, _mac(token, body))):
+        raise ValueError(f"the report is not signed with this node's {TOKEN_ENV}")
+    if not all(isinstance(f.rank, int) for f in failures):
+        raise ValueError("not a node report (a failure without a rank number)")
+    return failures, error_msg
+
+
+def _plain(value):
+    if value is not None and not isinstance(value, (str, int, float)):
+        raise ValueError(f"unexpected {type(value).__name__} in a node report")
+    return value
 
 
 class NodeSync:

@@ -82,11 +82,14 @@ class ServerHandle:
         _parent_only_socks.add(ours)
         code = linux.entry_code("_server.server", "main")
         try:
+            # The server lives in "/": a warm server must not hold the caller's working
+            # directory (which may be deleted, and torch cannot even be imported in a
+            # deleted one) nor keep its file system busy. Each rank changes to its own.
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", code, str(theirs.fileno()), ",".join(preload),
-                 json.dumps(sys.path)],
+                 json.dumps(_absolute_path(sys.path))],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                start_new_session=True)
+                start_new_session=True, cwd="/")
         finally:
             theirs.close()
         self.lifeline = ours
@@ -163,6 +166,16 @@ class ServerHandle:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def _absolute_path(path: list) -> list:
+    """sys.path with "" (the working directory) and relative entries made absolute, for
+    an interpreter that starts elsewhere."""
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        return [p for p in path if os.path.isabs(p)]
+    return [os.path.join(cwd, p) if not os.path.isabs(p) else p for p in path]
 
 
 def get_server(preload: tuple) -> ServerHandle:

@@ -222,12 +222,88 @@ class ForkSpawner(ServerSpawner):
         pass  # the ranks are ours, not the server's: they live on, and we reap them
 
 
+# start_method="fork" has no server to be the subreaper of what its ranks start: a
+# daemon (double fork + setsid) would be re-parented to pid 1 and outlive the launch. So
+# each forked rank is a subreaper (it kills its adopted orphans when it exits), and
+# while any forked rank lives this process is one too (for the orphans of a rank that
+# was killed), restored after. Adopted orphans are killed and reaped by pid once the
+# last forked rank is gone; the user's own children are never waited for.
+_adoption = {"ranks": 0, "previous": 0, "before": frozenset()}
+_adoption_lock = threading.Lock()
+
+
+def _adoption_in_child() -> None:
+    _adoption["ranks"] = 0     # the forked ranks are this process's parent's
+
+
+os.register_at_fork(after_in_child=_adoption_in_child)
+
+
+def _adopt_begin() -> None:
+    with _adoption_lock:
+        if _adoption["ranks"] == 0:
+            _adoption["previous"] = linux.get_child_subreaper()
+            _adoption["before"] = frozenset(linux.children_of(os.getpid()))
+            linux.set_child_subreaper()
+        _adoption["ranks"] += 1
+
+
+def _adopt_end() -> None:
+    with _adoption_lock:
+        _adoption["ranks"] -= 1
+        if _adoption["ranks"] > 0:
+            return
+        try:
+            kill_adopted_orphans(_adoption["before"])
+        finally:
+            linux.restore_child_subreaper(_adoption["previous"])
+
+
+def adopted_orphans(before) -> list:
+    """Children of this process that a forked rank's descendants left to it: new since
+    the first forked rank started, not a warm server, and neither in this process's
+    group nor in a group or session led by one of its earlier children (a rank leads a
+    group of its own, a daemon a session; what this process and its other children
+    start is in their groups and sessions unless asked otherwise)."""
+    me, group = os.getpid(), os.getpgid(0)
+    warm = set(servers.server_pids())
+    out = []
+    for pid in linux.children_of(me):
+        if pid in before or pid in warm:
+            continue
+        try:
+            pgid, sid = os.getpgid(pid), os.getsid(pid)
+        except OSError:
+            continue
+        if pgid != group and pgid not in before and sid not in before:
+            out.append(pid)
+    return out
+
+
+def kill_adopted_orphans(before) -> int:
+    orphans = adopted_orphans(before)
+    for pid in orphans:
+        linux.kill_quiet(pid, signal.SIGKILL)
+    for pid in orphans:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    return len(orphans)
+
+
 def fork_rank(spec: RankSpec, fdmap: dict) -> int:
     """start_method="fork": the rank is a fork of this process. Returns its pid."""
     parent = os.getpid()
-    pid = os.fork()
+    _adopt_begin()
+    try:
+        pid = os.fork()
+    except BaseException:
+        _adopt_end()
+        raise
     if pid == 0:
         try:
+            linux.set_child_subreaper()
             from .._rank.worker import run_rank
             run_rank(spec, fdmap, parent)
         finally:
@@ -253,16 +329,19 @@ def reap_forked(pid: int):
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
         _forked_oom.forget(pid)
+        _adopt_end()
         return 0, None, None
     if info is None:
         return None
-    members = linux.group_members(pid)
-    linux.killpg_quiet(pid, signal.SIGKILL)
-    linux.wait_dead(members, timeout=2.0)
     try:
-        _, status, max_rss = reap(pid)
-    except ChildProcessError:
-        _forked_oom.forget(pid)
-        return 0, None, None
-    return status, max_rss, _forked_oom.exited(pid, status)
-
+        members = linux.group_members(pid)
+        linux.killpg_quiet(pid, signal.SIGKILL)
+        linux.wait_dead(members, timeout=2.0)
+        try:
+            _, status, max_rss = reap(pid)
+        except ChildProcessError:
+            _forked_oom.forget(pid)
+            return 0, None, None
+        return status, max_rss, _forked_oom.exited(pid, status)
+    finally:
+        _adopt_end()

@@ -331,7 +331,14 @@ def _send_exception(sock, exc: BaseException, exitcode: int, show: bool = True,
     if hint:
         message = f"{message}\n{hint}"
     if show:
-        sys.stderr.write(tb_text)
+        # The copy on stderr goes first: once the exception is sent, the parent may tear
+        # this rank down before it is written. But stderr may be unusable (None in
+        # daemonised code, fd 2 closed): nothing that happens here may stop the sending.
+        try:
+            sys.stderr.write(tb_text)
+            sys.stderr.flush()
+        except BaseException:  # noqa: BLE001 - the exception itself is sent below
+            pass
     _send(sock, Raised(blob, type_name, message, tb_text, exitcode, time.time()))
 
 
@@ -352,6 +359,8 @@ def _run_script(target: str, kind: str):
     """Run a script (kind 'path') or module (kind 'module') as __main__, as `python
     script.py` would."""
     import runpy
+    from .._wire.mainmod import guard_script_children
+    guard_script_children()   # its DataLoader workers must not run it again
     if kind == "module":
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:

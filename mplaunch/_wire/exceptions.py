@@ -42,12 +42,30 @@ def pack_exception(exc: BaseException):
 
 
 def unpack_exception(blob, type_name, message, tb_text) -> BaseException:
+    """The exception from pack_exception's parts. Without a blob (another node's report
+    carries none: nothing read from the network is unpickled), a built-in exception
+    type is rebuilt from its name and message, the worker's traceback as a note."""
     if blob is not None:
         try:
             return pickle.loads(blob)
         except Exception:  # noqa: BLE001 - e.g. the class is not importable here
             pass
-    return RemoteException(type_name, message, tb_text)
+    return _builtin(type_name, message, tb_text) or RemoteException(type_name, message,
+                                                                    tb_text)
+
+
+def _builtin(type_name, message, tb_text):
+    import builtins
+    cls = getattr(builtins, type_name, None) if isinstance(type_name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        return None
+    try:
+        exc = cls(message)
+    except Exception:  # noqa: BLE001 - a constructor that wants other arguments
+        return None
+    if tb_text:
+        exc.__notes__ = ["Worker traceback:\n" + tb_text.rstrip("\n")]
+    return exc
 
 
 def exception_type_name(exc: BaseException) -> str:

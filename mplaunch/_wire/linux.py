@@ -9,6 +9,7 @@ import time
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+PR_GET_CHILD_SUBREAPER = 37
 
 _libc = None
 
@@ -36,6 +37,20 @@ def set_child_subreaper() -> bool:
     """Orphaned descendants are re-parented to us instead of to pid 1, so we can reap
     and kill them."""
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def get_child_subreaper() -> int:
+    """This process's subreaper setting (0 or 1; 0 where it cannot be read)."""
+    value = ctypes.c_int(0)
+    try:
+        _c().prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(value), 0, 0, 0)
+    except (OSError, AttributeError):
+        return 0
+    return value.value
+
+
+def restore_child_subreaper(value: int) -> bool:
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1 if value else 0)
 
 
 def memfd_with(data: bytes, name: str = "mplaunch") -> int:

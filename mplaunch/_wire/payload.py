@@ -79,6 +79,15 @@ def dumps_payload(func, args, kwargs) -> bytes:
         ) from exc
 
 
+def dumps_main_part(main, found: dict) -> bytes:
+    """The `__main__` part of a payload alone: `found`'s objects by value, their
+    functions' globals standing for the `__main__` of whoever loads them."""
+    out = io.BytesIO()
+    with _by_value(main):
+        _PayloadPickler(out, main, by_name=False).dump(((), {}, found))
+    return out.getvalue()
+
+
 def loads_payload(data: bytes, main_path: str):
     """In a rank: make `__main__` from the payload's second pickle (its children will
     read that again from `main_path`), then return (func, args, kwargs)."""
@@ -190,17 +199,48 @@ def _all_names(code) -> set:
 
 
 class ResultPickler(cloudpickle.Pickler):
-    """Pickles a rank's return value. Large CPU tensors travel through shared memory (an
-    anonymous memfd sent over the result socket) rather than as bytes in the stream:
-    one copy in the worker, none in the parent, and nothing that can leak in /dev/shm."""
+    """Pickles a rank's return value. Large CPU tensors, bytes, bytearrays and buffers
+    that pickle out of band (numpy arrays) travel through shared memory (an anonymous
+    memfd sent over the result socket) rather than as bytes in the stream: one copy in
+    the worker, at most one in the parent (none for tensors and arrays, which map the
+    memfd), and nothing that can leak in /dev/shm. A 1 GB bytes result once cost the
+    parent three copies (the stream, the unpickled object, the buffer it was read into)."""
 
     def __init__(self, file, fds: list):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL,
+                         buffer_callback=self._out_of_band)
         self._fds = fds
+        self.buffers: list = []   # (fd index, nbytes) of each out-of-band buffer
+
+    def _memfd(self, view: memoryview) -> int:
+        fd = os.memfd_create("mplaunch-result", os.MFD_CLOEXEC)
+        try:
+            # write() fills the memfd's pages as it allocates them, about twice as fast
+            # as faulting them in through a mapping and copying
+            done, nbytes = 0, view.nbytes
+            while done < nbytes:
+                done += os.write(fd, view[done:done + (1 << 30)])
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fds.append(fd)
+        return len(self._fds) - 1
+
+    def _out_of_band(self, buf: pickle.PickleBuffer) -> bool:
+        view = buf.raw()
+        if view.nbytes < _SHM_MIN_BYTES:
+            return True     # in band
+        self.buffers.append((self._memfd(view), view.nbytes))
+        return False
 
     def persistent_id(self, obj):
+        cls = type(obj)
+        if cls is bytes or cls is bytearray:
+            if len(obj) < _SHM_MIN_BYTES:
+                return None
+            return ("mplaunch." + cls.__name__, self._memfd(memoryview(obj)), len(obj))
         torch = sys.modules.get("torch")
-        if torch is None or type(obj) not in (torch.Tensor, torch.nn.Parameter):
+        if torch is None or cls not in (torch.Tensor, torch.nn.Parameter):
             return None
         if not _shareable(torch, obj):
             return None
@@ -208,20 +248,12 @@ class ResultPickler(cloudpickle.Pickler):
         if not t.is_contiguous():
             t = t.contiguous()
         nbytes = t.numel() * t.element_size()
-        fd = os.memfd_create("mplaunch-tensor", os.MFD_CLOEXEC)
+        src = memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
         try:
-            # write() fills the memfd's pages as it allocates them, about twice as fast
-            # as faulting them in through a mapping and copying
-            src = memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
-            done = 0
-            while done < nbytes:
-                done += os.write(fd, src[done:done + (1 << 30)])
+            index = self._memfd(src)
+        finally:
             del src
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fds.append(fd)
-        return ("mplaunch.tensor", len(self._fds) - 1, nbytes, str(t.dtype).split(".")[-1],
+        return ("mplaunch.tensor", index, nbytes, str(t.dtype).split(".")[-1],
                 tuple(t.shape), bool(obj.requires_grad))
 
 
@@ -237,12 +269,30 @@ def _shareable(torch, t) -> bool:
         return False
 
 
+def _read_into(fd: int, nbytes: int, kind: str):
+    """bytes or bytearray with a memfd's content, copied once (the reader loops over
+    short reads into the object it returns)."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    with io.BufferedReader(io.FileIO(fd, "rb", closefd=False)) as f:
+        if kind == "bytes":
+            data = f.read(nbytes)
+        else:
+            data = bytearray(nbytes)
+            data = data if f.readinto(data) == nbytes else None
+    if data is None or len(data) != nbytes:
+        raise pickle.UnpicklingError("a result's shared memory was shorter than sent")
+    return data
+
+
 class _ResultUnpickler(pickle.Unpickler):
-    def __init__(self, file, fds):
-        super().__init__(file)
+    def __init__(self, file, fds, buffers=()):
+        super().__init__(file, buffers=buffers)
         self._fds = fds
 
     def persistent_load(self, pid):
+        if pid[0] in ("mplaunch.bytes", "mplaunch.bytearray"):
+            kind, index, nbytes = pid
+            return _read_into(self._fds[index], nbytes, kind.rpartition(".")[2])
         kind, index, nbytes, dtype, shape, requires_grad = pid
         if kind != "mplaunch.tensor":
             raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
@@ -260,11 +310,16 @@ class _ResultUnpickler(pickle.Unpickler):
 
 
 def dumps_result(obj):
-    """(bytes, fds) for a rank's return value."""
+    """(bytes, fds) for a rank's return value: the pickle, then the list of its
+    out-of-band buffers (fd index, size), then that list's offset (8 bytes)."""
     fds: list = []
     buf = io.BytesIO()
     try:
-        ResultPickler(buf, fds).dump(obj)
+        pickler = ResultPickler(buf, fds)
+        pickler.dump(obj)
+        at = buf.tell()
+        pickle.dump(pickler.buffers, buf, protocol=pickle.HIGHEST_PROTOCOL)
+        buf.write(at.to_bytes(8, "little"))
     except BaseException:
         for fd in fds:
             os.close(fd)
@@ -273,9 +328,17 @@ def dumps_result(obj):
 
 
 def loads_result(data: bytes, fds: list):
-    """Rebuild a rank's return value; closes the fds that came with it."""
+    """Rebuild a rank's return value; closes the fds that came with it (an array or
+    tensor keeps its mapping of the memory, which is freed with it)."""
     try:
-        return _ResultUnpickler(io.BytesIO(data), fds).load()
+        at = int.from_bytes(data[-8:], "little")
+        buffers = [_mapped(fds[index], nbytes)
+                   for index, nbytes in pickle.loads(memoryview(data)[at:-8])]
+        return _ResultUnpickler(io.BytesIO(data), fds, buffers).load()
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _mapped(fd: int, nbytes: int) -> pickle.PickleBuffer:
+    return pickle.PickleBuffer(mmap.mmap(fd, nbytes))
