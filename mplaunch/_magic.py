@@ -162,9 +162,12 @@ def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                             "where torch is installed), nccl, ..., or none")
     start.add_argument("--timeout", type=float, default=None,
                        help="seconds a cell may run before every rank's stack is shown "
-                            "and the world torn down (default: none)")
+                            "and its ranks interrupted (default: none)")
     start.add_argument("--grace-period", type=float, default=None,
                        help="seconds between SIGTERM and SIGKILL at teardown")
+    start.add_argument("--no-heal", dest="heal", action="store_false", default=None,
+                       help="tear the world down after any failed cell instead of "
+                            "keeping its ranks and their state")
     start.add_argument("--log-dir", default=None,
                        help="also write each rank's output to files in this directory")
     start.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
@@ -219,10 +222,11 @@ class _Ranks:
         ``%%ranks`` runs the cell in every rank (a world of 2 ranks with the gloo
         backend is started on first use); names it defines stay in each rank for the
         next ``%%ranks`` cell. Each rank's output shows, prefixed, under the cell; the
-        first failure is raised in the cell, the world is torn down and the next cell
-        starts fresh ranks. ``%%ranks --timeout S`` limits one cell.
+        first failure is raised in the cell and the world heals (its ranks and names
+        stay; the stop button interrupts every rank); what cannot be healed is torn
+        down and the next cell starts fresh ranks. ``%%ranks --timeout S`` limits one.
 
-        ``%ranks start [N] [--backend B] [--timeout S] [--grace-period S]
+        ``%ranks start [N] [--backend B] [--timeout S] [--grace-period S] [--no-heal]
         [--log-dir D] [--env NAME=VALUE]``, ``%ranks stop``, ``%ranks restart``,
         ``%ranks push NAME...``, ``%ranks pull NAME`` (a list by rank), ``%ranks
         stacks`` (where each rank is now), and ``%ranks`` (status). ``%ranks --help`` and ``%ranks start --help`` list the options.
@@ -265,7 +269,10 @@ class _Ranks:
         what = f"{s['nprocs']} ranks, backend {s['backend'] or 'none'}"
         if self.world is not None and self.world.pids:
             from ._placement_flags import placement_lines
-            return f"{what}: up, pids {self.world.pids}\n" + placement_lines(self.world)
+            fresh = self.world.fresh_ranks   # replaced: their names are gone
+            return (f"{what}: up, pids {self.world.pids}\n" + (
+                f"fresh since the last cell: ranks {fresh}\n" if fresh else "")
+                + placement_lines(self.world))
         if self.torn_down:
             return f"{what}: torn down ({self.torn_down}); the next %%ranks cell starts " \
                    "fresh ranks"
@@ -279,7 +286,7 @@ class _Ranks:
             settings["nprocs"] = args.nprocs
         if args.backend is not None:
             settings["backend"] = None if args.backend.lower() == "none" else args.backend
-        for key in ("timeout", "grace_period", "log_dir"):
+        for key in ("timeout", "grace_period", "log_dir", "heal"):
             value = getattr(args, key)
             if value is not None:
                 settings[key] = value
@@ -402,10 +409,11 @@ class _Ranks:
             return world.run(func, args, timeout=timeout)
         except (WorkerError, LaunchTimeout, MainProcessError) as err:
             failure = err
-        self.torn_down = _why(failure)
-        # Out of the except block, so that it carries no __context__ of ours. The world
-        # is torn down now; the error below says why.
-        raise _shown(failure, world.nprocs, cell)
+        if not world.pids:
+            self.torn_down = _why(failure)
+        # Out of the except block, so that it carries no __context__ of ours. The error
+        # below says why, and whether the world was kept.
+        raise _shown(failure, world.nprocs, cell, bool(world.pids))
 
 
 def _why(err: BaseException) -> str:
@@ -418,7 +426,7 @@ def _why(err: BaseException) -> str:
     return type(err).__name__
 
 
-def _shown(err: BaseException, nprocs: int, cell: bool) -> BaseException:
+def _shown(err: BaseException, nprocs: int, cell: bool, kept=False) -> BaseException:
     """What the notebook shows for a failed run, without mplaunch's frames.
 
     A rank's exception raised by the cell's code is shown itself, as a failing cell
@@ -426,7 +434,8 @@ def _shown(err: BaseException, nprocs: int, cell: bool) -> BaseException:
     and saying the world is gone. Anything else (a rank killed by a signal, a timeout,
     an interrupt) is the WorkerError, LaunchTimeout or MainProcessError as launch raises
     it."""
-    after = (f"the world's {nprocs} ranks were torn down; the next %%ranks cell starts "
+    after = ((getattr(err, "healed", None) or "the world was kept") if kept else
+             f"the world's {nprocs} ranks were torn down; the next %%ranks cell starts "
              "fresh ones")
     cause = err.__cause__
     if cell and type(err) is WorkerError and isinstance(cause, Exception):

@@ -52,7 +52,9 @@ def run_test(pyfuncitem, opts: dict) -> bool:
     failure = None
     try:
         if reuse:
-            _reused_world(pyfuncitem.config).run(blob, settings, backend, opts)
+            heal = bool(pyfuncitem.config.getini("mplaunch_reuse_heal"))
+            _reused_world(pyfuncitem.config).run(blob, settings, backend,
+                                                 dict(opts, heal=heal))
         else:
             _launch(_run_in_rank, (blob, settings), backend=backend, **opts)
     except MainProcessError as err:
@@ -86,7 +88,10 @@ class _ReusedWorld:
             health = world.run(_run_in_reused_rank, (blob, settings, initialized),
                                timeout=opts["timeout"])
         except BaseException:
-            self.close()   # the World has torn its ranks down already; forget it
+            if not world.pids:
+                self.close()   # the World has torn its ranks down already; forget it
+            # else it healed: its ranks, their process group and state stay for the
+            # next test (which gets its environment and RNG states back as usual)
             raise
         problem = _unhealthy(health, initialized)
         if problem is not None:

@@ -3,7 +3,9 @@
 A World is one Attempt whose ranks serve calls (_rank.serve) instead of running one function
 and exiting. Each run() is a call driven to its replies by the same loop launch() uses,
 so failures, timeouts, signals, output and teardown behave as for launch(). A run that
-fails tears the world down; the next run starts fresh ranks.
+fails heals the world where it can (_engine.heal drives the call, _rank.pgroup is the ranks' side):
+the ranks and their state stay, and the process group is rebuilt if a collective was
+left half-done. What cannot be healed is torn down; the next run starts fresh ranks.
 """
 from __future__ import annotations
 
@@ -17,11 +19,15 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVa
 from ._engine import servers, signals
 from ._engine.attempt import Attempt
 from ._engine.config import LaunchConfig, check_call, seconds, validate, with_streams
-from ._engine.outcome import results_or_raise
+from ._engine.heal import CallDriver, consequences_last, replace_rank
+from ._engine.outcome import error_for, results_or_raise
 from ._engine.session import Session
 from ._rank import procgroup
+from ._rank.pgroup import group_state, rebuild
+from ._wire.messages import RELEASE_SIGNAL
 from ._wire import linux
 from ._wire.payload import dumps_payload
+from .errors import MainProcessError
 
 log = logging.getLogger("mplaunch")
 T = TypeVar("T")
@@ -46,18 +52,26 @@ class World:
     run), ``gpus=`` and ``cpus=`` included. The ranks start at the first ``run`` (or
     ``start()``); with ``backend`` each has called
     ``torch.distributed.init_process_group(backend)`` before it (on CUDA, on its own
-    GPU: see :doc:`gpus`). A failing
-    run raises as ``launch`` does and tears the world down; the next ``run`` starts
-    fresh ranks. ``restart()`` does so on purpose. ``close()`` (or leaving the ``with``
+    GPU: see :doc:`gpus`). A failing run raises as ``launch`` does; with ``heal=True``
+    (the default) the world heals where it can: a rank's exception, a collective left
+    half-done, an interrupt, a timeout or a dead rank keep the ranks and their state
+    (the process group is rebuilt and a dead rank replaced if need be, and the error
+    says so); what cannot be healed is torn down and the next ``run`` starts fresh
+    ranks, as always with ``heal=False``. ``restart()`` starts fresh ranks on purpose.
+    ``close()`` (or leaving the ``with``
     block) ends every process; a world left open is closed at interpreter exit.
     """
 
     __module__ = "mplaunch"
 
     def __init__(self, nprocs: Any = None, backend: Optional[str] = None,
-                 **options: Any):
+                 heal: bool = True, **options: Any):
         if "kwargs" in options:
             raise TypeError("World takes no kwargs=; pass them to run()")
+        if not isinstance(heal, bool):
+            raise TypeError(f"heal must be True (keep the ranks through a failed run) or "
+                            f"False (tear them down), got {heal!r}")
+        self.heal = heal
         self.cfg: LaunchConfig = validate(_setup_rank, (backend,), nprocs,
                                           dict(options, backend=backend))
         if self.cfg.nnodes > 1:
@@ -69,6 +83,7 @@ class World:
         self._attempt: Optional[Attempt] = None
         self._stack: Optional[contextlib.ExitStack] = None
         self._generation = 0       # how many times ranks were started
+        self._fresh: List[int] = []
         self._closed = False
         # One call at a time: a call's replies are read from the ranks' sockets in the
         # order they come, and two callers would take each other's (and register the
@@ -81,6 +96,13 @@ class World:
     def pids(self):
         """{rank: pid} of the running ranks ({} before the first run)."""
         return self._attempt.group.pids if self._attempt is not None else {}
+
+    @property
+    def fresh_ranks(self) -> List[int]:
+        """The ranks that are fresh processes since the last run, their state gone:
+        every rank after the world was torn down, the replaced ones after a run that
+        healed a dead rank; [] once a run has begun. Send them their state again."""
+        return list(self._fresh)
 
     @property
     def nprocs(self) -> int:
@@ -107,9 +129,11 @@ class World:
             kwargs: Optional[Mapping[str, Any]] = None,
             timeout: Optional[float] = None) -> List[T]:
         """Call ``func(*args, **kwargs)`` in every rank; the results by rank. Raises
-        :class:`~mplaunch.WorkerError`, :class:`~mplaunch.LaunchTimeout` or
-        :class:`~mplaunch.MainProcessError` as ``launch`` does, after tearing the world
-        down."""
+        :class:`~mplaunch.WorkerError` or :class:`~mplaunch.LaunchTimeout` as
+        ``launch`` does, after healing the world (``err.healed`` says what it kept) or
+        tearing it down; an interrupt (SIGINT) raises :class:`KeyboardInterrupt` in the
+        ranks and here, the world kept (:class:`~mplaunch.MainProcessError` with
+        ``heal=False``, or for SIGTERM, SIGHUP, SIGQUIT or a second SIGINT)."""
         check_call(func, args, kwargs)
         # None: the world's own timeout; inf: none, for this call (the loop's deadline
         # is then never reached, and its waits are sliced).
@@ -118,6 +142,9 @@ class World:
         payload = dumps_payload(func, args, kwargs or {})
         with self._lock:
             self.start()
+            self._fresh = []
+            if self.heal:
+                return self._healing_call(payload, timeout)
             return self._call(payload, timeout)
 
     def restart(self) -> "World":
@@ -173,7 +200,7 @@ class World:
         self._attempt, self._stack = attempt, stack
         self._wait_replies(attempt, None)   # every rank has run its setup
 
-    def _call(self, payload: bytes, timeout: Optional[float]) -> list:
+    def _send(self, payload: bytes) -> Attempt:
         attempt = self._attempt
         attempt.group.relay_to(sys.stdout, sys.stderr)
         fd = linux.memfd_with(payload, "mplaunch-payload")
@@ -183,9 +210,126 @@ class World:
             pass  # a rank is gone: the loop below finds out which, and why
         finally:
             servers.close_fd(fd)
-        return self._wait_replies(attempt, timeout)
+        return attempt
 
-    def _wait_replies(self, attempt: Attempt, timeout: Optional[float]) -> list:
+    def _call(self, payload: bytes, timeout: Optional[float]) -> list:
+        return self._wait_replies(self._send(payload), timeout)
+
+    def _healing_call(self, payload: bytes, timeout: Optional[float]) -> list:
+        attempt = self._send(payload)
+        group = attempt.group
+        driver = CallDriver(attempt, RELEASE_SIGNAL)
+        group.heal = True
+        try:
+            with signals.forwarding(driver.on_signal, warn=False):
+                driver.drive(timeout)
+        except BaseException:
+            self._stop()
+            raise
+        finally:
+            group.heal = False
+        if group.stopping or not group.running:
+            return self._torn_down(attempt)
+        group.relay_written()
+        if not (group.failures or attempt.timed_out or driver.interrupted):
+            return [r.result for r in group.ranks]
+        consequences_last(group.failures)
+        error = (KeyboardInterrupt() if driver.interrupted and not attempt.timed_out
+                 else error_for(attempt, attempt.ending))
+        _forget_failures(attempt)
+        kept = self._settle(driver.released)
+        if isinstance(error, KeyboardInterrupt):
+            error.args = (f"mplaunch.World: the ranks were interrupted; {kept}",)
+        else:
+            error.healed = kept
+        raise error
+
+    def _settle(self, released: bool) -> str:
+        """Bring the ranks back to a state all agree on, after a failed call every rank
+        answered (or died): replace the dead ones, rebuild the process group if the
+        ranks disagree about it; what the world kept, said for the error."""
+        group = self._attempt.group
+        dead = [r.local_rank for r in group.ranks if not r.alive]
+        live = [r for r in group.ranks if r.alive]
+        try:
+            states = self._control(group_state, (), None, live)
+            inited = [s for s in states if s["initialized"]]
+            seqs = {s["seq"] for s in inited}
+            if not (dead or released or (inited and len(inited) != len(states))
+                    or len(seqs) > 1):
+                return ("the world was kept: its ranks, their state and their process "
+                        "group are as the failed run left them")
+            backends = {s["backend"] for s in inited}
+            backend = backends.pop() if len(backends) == 1 else self.backend
+            n = max(s["incarnation"] for s in states)
+            stale = self._rebuild(backend, n, dead, live)
+        except (KeyboardInterrupt, MainProcessError):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - whatever it was, it cannot be healed
+            self._stop()
+            return (f"the world could not be healed ({type(exc).__name__}: {exc}) and was "
+                    "torn down; the next run starts fresh ranks")
+        self._fresh = [group.ranks[i].spec.rank for i in dead]
+        said = []
+        if dead:
+            pids = {group.ranks[i].spec.rank: group.ranks[i].pid for i in dead}
+            said.append(f"rank(s) {self.fresh_ranks} died and were replaced by fresh "
+                        f"processes (pids {pids}) whose state is gone: send it again "
+                        "(world.fresh_ranks names them)")
+        if backend is not None:
+            why = ("a rank died" if dead else "a collective was left half-done" if released
+                   else "the ranks left it in different states")
+            holders = sorted({name for names in stale for name in names})
+            remake = (f"; these hold the old group and must be made again: "
+                      f"{', '.join(holders)}" if holders else "")
+            said.append(f"the process group was rebuilt ({why}){remake}. Objects made with "
+                        "the old group (a DistributedDataParallel module, groups from "
+                        "new_group) must be made again: ddp = "
+                        "DistributedDataParallel(module) broadcasts rank 0's parameters")
+        return "the world was kept: its ranks and their state; " + "; ".join(said)
+
+    def _rebuild(self, backend, n: int, dead: List[int], live) -> list:
+        """Start a fresh process for each dead rank and build the group again in every
+        rank (key space `n`); each live rank's names of stale objects."""
+        group = self._attempt.group
+        payload = dumps_payload(rebuild, (backend, n), {})
+        fd = linux.memfd_with(payload, "mplaunch-payload")
+        try:
+            # The fresh ranks first: a fork (start_method="fork") of this process while
+            # its store serves the others' rendezvous could inherit a lock held.
+            for i in dead:
+                replace_rank(group, i, fd)
+            group.call(fd, live)
+        finally:
+            servers.close_fd(fd)
+        return self._wait_replies(self._attempt, max(30.0, self.cfg.grace_period),
+                                  quiet=True)
+
+    def _control(self, func, args, timeout, ranks) -> list:
+        """A call of mplaunch's own in these ranks; torn down and raised if it fails."""
+        group = self._attempt.group
+        fd = linux.memfd_with(dumps_payload(func, args, {}), "mplaunch-payload")
+        try:
+            group.call(fd, ranks)
+        finally:
+            servers.close_fd(fd)
+        attempt = self._attempt
+        group = attempt.group
+        try:
+            with signals.forwarding(attempt.on_signal, warn=False):
+                attempt.drive(until=lambda: all(r.has_result for r in ranks)
+                              or group.stopping, timeout=timeout)
+        except BaseException:
+            self._stop()
+            raise
+        if group.stopping or not all(r.has_result for r in ranks):
+            self._stop()
+            results_or_raise(attempt)    # raises what stopped it
+            raise RuntimeError("a rank did not answer mplaunch's own call")
+        return [r.result for r in ranks]
+
+    def _wait_replies(self, attempt: Attempt, timeout: Optional[float],
+                      quiet: bool = False) -> list:
         group = attempt.group
         try:
             with signals.forwarding(attempt.on_signal, warn=False):
@@ -197,9 +341,13 @@ class World:
         if group.running and not group.stopping:
             group.relay_written()
             return [r.result for r in group.ranks]
+        return self._torn_down(attempt, quiet)
+
+    def _torn_down(self, attempt: Attempt, quiet: bool = False) -> list:
         self._stop()
-        log.warning("mplaunch.World: the failed call tore the world's %d ranks down; the "
-                    "next call starts fresh ranks", self.nprocs)
+        if not quiet:
+                log.warning("mplaunch.World: the failed call tore the world's %d ranks down; "
+                        "the next call starts fresh ranks", self.nprocs)
         return results_or_raise(attempt)
 
     def _stop(self) -> None:
@@ -207,11 +355,22 @@ class World:
         self._attempt = self._stack = None
         if attempt is None:
             return
+        self._fresh = [self.cfg.global_rank(i) for i in range(self.nprocs)]
         try:
             attempt.group.stop()
             attempt.drive()          # SIGTERM, then SIGKILL after the grace period
         finally:
             stack.close()            # the group, then the session
+
+
+def _forget_failures(attempt: Attempt) -> None:
+    """The world goes on: the next call starts with nothing failed."""
+    group = attempt.group
+    group.failures = []
+    for r in group.ranks:
+        r.error = None
+    attempt.early = None
+    attempt.signal_received = None
 
 
 @atexit.register

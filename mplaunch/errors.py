@@ -162,6 +162,10 @@ class WorkerError(MPLaunchError):
 
     __module__ = "mplaunch"
 
+    #: Set by a healing :class:`mplaunch.World`: what the world kept (or why it could
+    #: not), also the message's last line; None otherwise.
+    healed: Optional[str] = None
+
     def __init__(self, failures: List[RankFailure], previous_attempts=None, note=None):
         if not failures:
             raise ValueError("WorkerError needs at least one RankFailure")
@@ -182,6 +186,10 @@ class WorkerError(MPLaunchError):
     traceback = property(lambda self: self.first.traceback)
     stderr_tail = property(lambda self: self.first.stderr_tail)
     exc_type = property(lambda self: self.first.exc_type)
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return f"{text}\n[mplaunch.World] {self.healed}" if self.healed else text
 
     def _message(self) -> str:
         first = self.first

@@ -40,10 +40,13 @@ pytest imported, so a distributed test costs a fork per rank, not an interpreter
 same launch options but ``timeout``) in one :class:`mplaunch.World`: the ranks and their
 process group stay up between tests. One world at a time per pytest process (per xdist
 worker): a reuse test that wants another world closes the current one first; the last
-is closed at the end of the session. Outcomes are those above; any test that does not
-pass (fails, skips or xfails in a rank, times out) ends the world, and so does one that
-leaves the ranks' process group unusable (destroyed, or a different number of
-collectives issued in different ranks), so the next test starts fresh ranks. Before
+is closed at the end of the session. Outcomes are those above; a test that does not
+pass (fails, skips or xfails in a rank, times out) keeps the world if the World healed
+(see :class:`mplaunch.World`: its ranks were interrupted and its process group rebuilt
+if a collective was left half-done, a dead rank replaced), else ends it; with
+``mplaunch_reuse_heal = false`` any such test ends it. A test that passes but leaves the
+ranks' process group unusable (destroyed, or a different number of collectives issued
+in different ranks) ends it too, so the next test starts fresh ranks. Before
 each test a reused rank gets back its environment variables, working directory and
 random number generators' states as they were at its first test.
 """
@@ -79,6 +82,9 @@ def pytest_addoption(parser):
     parser.addini("mplaunch_reuse", "default of the mplaunch marker's reuse=: run "
                   "consecutive tests of the same options in one mplaunch.World",
                   type="bool", default=False)
+    parser.addini("mplaunch_reuse_heal", "reuse: keep a world that healed after a test "
+                  "failed in it (its ranks and process group); false: any failed test "
+                  "ends the world (strict isolation)", type="bool", default=True)
 
 
 def pytest_configure(config):

@@ -2,8 +2,9 @@
 
 One kernel session runs the whole story of a notebook user: a %%ranks cell's output lands
 in it prefixed by rank, names persist to the next cell, a failure shows the rank's
-exception at the cell's line and the next cell starts fresh ranks, an interrupt ends
-every rank, and ``%ranks stop`` leaves nothing. The example notebook runs in a kernel of
+exception at the cell's line and the world heals (the next cell finds the same ranks and
+names), an interrupt stops every rank's cell and keeps them, and ``%ranks stop`` leaves
+nothing. The example notebook runs in a kernel of
 its own. The kernel machinery (kernelspec, process tree, output helpers) is
 test_notebook's.
 """
@@ -134,7 +135,7 @@ def test_ranks_magic_in_a_kernel(kernel_config, tmp_path):
                     alive_after_stop = _alive(ranks_seen)
                 if cell.id == "unload":
                     alive_after_unload = _alive(_pids(_stream(cell)))
-                if cell.id in ("first", "fresh", "after"):
+                if cell.id == "first":
                     ranks_seen.extend(_pids(_stream(cell)))
         return interrupted_pids, alive_after_interrupt, alive_after_stop, alive_after_unload
 
@@ -167,7 +168,7 @@ def test_ranks_magic_in_a_kernel(kernel_config, tmp_path):
     assert "pulled: [0, 10] [7, 7]" in _stream(cells["push"]), cells["push"].outputs
 
     # The first failure: the rank's own exception, at the cell's line, with a note; the
-    # world is torn down.
+    # world heals: same ranks, same names.
     [error] = _errors(cells["fail"])
     assert error["ename"] == "ZeroDivisionError", error
     tb = _plain(error["traceback"])
@@ -175,41 +176,37 @@ def test_ranks_magic_in_a_kernel(kernel_config, tmp_path):
               if line.startswith("---->")]
     assert ["3", "y = 1 / (x - 10)"] in marked, tb
     assert re.search(r"^Cell In\[\d+\], line 3$", tb, re.M), tb
-    assert re.search(r"^%%ranks: rank 1 \(pid \d+\) raised this; the world's 2 ranks were "
-                     r"torn down; the next %%ranks cell starts fresh ones\.$", tb, re.M), tb
+    assert re.search(r"^%%ranks: rank 1 \(pid \d+\) raised this; the world was kept: its "
+                     r"ranks, their state and their process group", tb, re.M), tb
     assert "mplaunch/_" not in tb, tb  # none of our frames
-    # (Rank 0 may be torn down before it even ran the cell: its lines are not asserted.)
     assert "[rank1]: about to divide" in _stream(cells["fail"]), cells["fail"].outputs
     assert "[rank1]: not reached" not in _stream(cells["fail"])
     err = _stream(cells["fail"], "stderr")
     assert "[rank1]:     y = 1 / (x - 10)" in err.splitlines(), err
-    assert not _alive(first_pids), first_pids
 
-    # The next cell says so and runs in fresh ranks, without the old names.
+    # The next cell runs in the same ranks, with the old names.
     out = _stream(cells["fresh"]).splitlines()
-    assert out[0] == "%ranks: the world was torn down (rank 1 failed); starting fresh ranks"
-    assert set(_pids(out[1])).isdisjoint(first_pids), out
-    assert sorted(out[2:]) == ["[rank0]: x defined: False", "[rank1]: x defined: False"]
+    assert sorted(out) == ["[rank0]: x defined: True", "[rank1]: x defined: True"], out
+    assert _pids(_stream(cells["status"])) == first_pids, _stream(cells["status"])
     # The world's line, then where each rank runs (test_magic_placement has the rest).
     assert re.match(r"2 ranks, backend gloo: up, pids \{0: \d+, 1: \d+\}\n"
                     r"  rank 0 \(pid \d+\): .*, CPUs .*\n  rank 1 \(pid \d+\): .*\n$",
                     _stream(cells["status"])), _stream(cells["status"])
 
-    # The stop button: MainProcessError, and no rank left.
+    # The stop button: KeyboardInterrupt in every rank's cell; the world stays.
     [error] = _errors(cells["interrupt"])
-    assert error["ename"] == "MainProcessError", error
-    assert "SIGINT" in error["evalue"], error
-    assert len(interrupted_pids) == 2 and alive_after_interrupt == [], interrupted_pids
+    assert error["ename"] == "KeyboardInterrupt", error
+    assert "the world was kept" in error["evalue"], error
+    assert sorted(interrupted_pids) == sorted(first_pids), interrupted_pids
+    assert sorted(alive_after_interrupt) == sorted(first_pids)
     out = _stream(cells["after"]).splitlines()
-    assert out[0] == ("%ranks: the world was torn down (the kernel received SIGINT); "
-                      "starting fresh ranks"), out
-    assert sorted(out[2:]) == ["[rank0]: up again", "[rank1]: up again"], out
+    assert sorted(out) == ["[rank0]: up again", "[rank1]: up again"], out
 
     # %ranks stop ends every rank while the kernel goes on.
     assert _stream(cells["stop"]).splitlines() == [
         "%ranks: stopped 2 ranks",
         "2 ranks, backend gloo: not started; the next %%ranks cell starts them"]
-    assert len(ranks_seen) == 6 and alive_after_stop == [], ranks_seen
+    assert len(ranks_seen) == 2 and alive_after_stop == [], ranks_seen
 
     # %unload_ext closes the world and takes the magics away.
     assert "magic left: False" in _stream(cells["unload"]), cells["unload"].outputs

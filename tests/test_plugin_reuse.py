@@ -27,7 +27,7 @@ def _pids(out, name):
 
 
 def test_consecutive_tests_share_ranks_until_one_fails_or_the_size_changes(pytester):
-    _inner_ini(pytester)
+    _inner_ini(pytester, mplaunch_reuse_heal="false")   # strict isolation (test_heal: not)
     out = _write_tests(pytester, "test_reuse", helpers=HELPERS, source="""
     reuse2 = pytest.mark.mplaunch(nprocs=2, reuse=True)
 
@@ -180,7 +180,8 @@ def test_a_test_that_spoils_the_process_group_ends_the_world(pytester):
 
 @pytest.mark.slow
 def test_a_hung_reused_test_times_out_and_the_next_gets_fresh_ranks(pytester):
-    _inner_ini(pytester, mplaunch_reuse="true", mplaunch_timeout="6")
+    _inner_ini(pytester, mplaunch_reuse="true", mplaunch_timeout="6",
+               mplaunch_reuse_heal="false")
     out = _write_tests(pytester, "test_hang", helpers=HELPERS, source="""
     @pytest.mark.mplaunch(nprocs=2)
     def test_before():

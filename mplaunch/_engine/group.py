@@ -56,6 +56,7 @@ class RankGroup:
         self.cfg = cfg
         self.attempt = attempt
         self.payload_fd = payload_fd
+        self._specs = list(specs)
         self.ranks: List[RankState] = [RankState(s) for s in specs]
         self.failures: List[RankFailure] = []
         self.teardown: Optional[Teardown] = None
@@ -67,6 +68,7 @@ class RankGroup:
         self._sel = selectors.DefaultSelector()
         self._waker = waker
         self._closed = False
+        self.heal = False   # a healing World's call: see fail()
 
     @property
     def running(self) -> bool:
@@ -90,8 +92,9 @@ class RankGroup:
         while any(r.pid is None for r in self.ranks):
             self.spawner.pump()
 
-    def _start_one(self, r: RankState) -> None:
-        child_fds = r.open(self.cfg, self.attempt, self.payload_fd)
+    def _start_one(self, r: RankState, payload_fd: Optional[int] = None) -> None:
+        child_fds = r.open(self.cfg, self.attempt,
+                           self.payload_fd if payload_fd is None else payload_fd)
         try:
             self.spawner.start(r.local_rank, r.spec, child_fds)
         finally:
@@ -137,11 +140,11 @@ class RankGroup:
                 message=first if r is dead[0] else "it died with mplaunch's server process"))
 
     # -- calls (a World's ranks stay up between them) ----------------------------------
-    def call(self, payload_fd: int) -> None:
-        """Ask every rank to run the payload in `payload_fd` next; wait() until
-        ``replied``."""
-        for r in self.ranks:
-            r.has_result, r.result = False, None
+    def call(self, payload_fd: int, ranks: Optional[Sequence[RankState]] = None) -> None:
+        """Ask every rank (or these) to run the payload in `payload_fd` next; wait()
+        until ``replied``."""
+        for r in self.ranks if ranks is None else ranks:
+            r.has_result, r.result, r.error = False, None, None
             send_framed(r.reader.sock, CALL_TAG, [payload_fd])
 
     @property
@@ -271,7 +274,7 @@ class RankGroup:
                                    "returning a result (did it call os._exit(0)?)")
         else:
             failure = self._record(r, exitcode=exitcode)
-        self.fail(failure)
+        self.fail(failure)   # a healing World replaces it after the call
 
     def _record(self, r: RankState, **fields) -> RankFailure:
         fields.setdefault("timestamp", r.exited_at or time.time())
@@ -286,9 +289,11 @@ class RankGroup:
                             timestamp=msg.timestamp)
 
     def fail(self, failure: RankFailure) -> None:
-        """Record a failure of this node and tear the group down."""
+        """Record a failure of this node and tear the group down; in a healing World's
+        call, a rank's failure is its answer instead (_engine.heal decides the rest)."""
         self.failures.append(failure)
-        self.stop(signal.SIGTERM)
+        if not self.heal or failure.local_rank is None:
+            self.stop(signal.SIGTERM)
 
     def node_failure(self, message: str) -> RankFailure:
         """A failure of this node as a whole (not of one rank's process), recorded

@@ -69,9 +69,10 @@ def _patch_rendezvous(mod) -> None:
         world_size = int(os.environ["WORLD_SIZE"])
         kw = {} if timeout is None else {"timeout": timeout}
         store = TCPStore(host, int(port), world_size, False, **kw)
-        prefix = os.environ.get("MPLAUNCH_STORE_PREFIX")
-        if prefix:
-            store = PrefixStore(prefix, store)
+        # A key space per group: see pgroup (why a reused one hangs or resets).
+        from .pgroup import next_key_space
+        prefix = os.environ.get("MPLAUNCH_STORE_PREFIX", "") + next_key_space()
+        store = PrefixStore(prefix, store)
         yield (store, rank, world_size)
         raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 

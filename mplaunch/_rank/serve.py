@@ -3,10 +3,15 @@ its result socket, answering each with one message, until that socket closes.
 
 A call is a framed message whose single fd is a memfd holding the pickled function and
 arguments, as for a launch; the answer is the usual result or exception message.
+
+SIGINT (sent by a healing World to ranks that have not answered) raises KeyboardInterrupt
+in the call's code, as Ctrl-C does in a notebook, and never in our own plumbing: a rank
+interrupted while it reads a call or sends an answer would lose it, or die.
 """
 from __future__ import annotations
 
 import os
+import signal
 import socket
 from typing import Any, Callable, Dict, Optional
 
@@ -26,6 +31,7 @@ def serve(sock: socket.socket, payload_fd: int, call: Callable[[int], int]) -> i
     """Run calls until the parent closes the socket; the exit code (0). `payload_fd` is
     the first call's; each call's payload stays open until the next one's has replaced
     it (the rank's children read its `__main__` definitions there)."""
+    signal.signal(signal.SIGINT, _on_sigint)
     while True:
         fd = _next_call(sock)
         if fd is None:
@@ -45,3 +51,18 @@ def _next_call(sock: socket.socket) -> Optional[int]:
     for fd in fds[1:]:
         os.close(fd)
     return fds[0]
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_WIRE = os.path.join(os.path.dirname(_HERE), "_wire")
+_PLUMBING = {os.path.join(_HERE, name) for name in ("serve.py", "worker.py", "streams.py")}
+_PLUMBING |= {os.path.join(_WIRE, name) for name in ("channel.py", "linux.py",
+                                                     "messages.py")}
+
+
+def _on_sigint(signo, frame) -> None:
+    # In our frames the interrupt is dropped; the World sends it again until the rank
+    # answers, so one that lands in user code a moment later still interrupts it.
+    if frame is not None and frame.f_code.co_filename in _PLUMBING:
+        return
+    raise KeyboardInterrupt

@@ -96,6 +96,9 @@ def _apply_spec(spec) -> None:
     if spec.cpus:
         # cpus=: before any user code, so that every thread it starts inherits the set.
         os.sched_setaffinity(0, spec.cpus)
+    # Only a fork of the launching process has any (see there); a few reads of /proc.
+    from .pgroup import close_inherited_store_sockets
+    close_inherited_store_sockets()
     torch = sys.modules.get("torch")
     threads = os.environ.get("OMP_NUM_THREADS")
     if torch is not None and threads and threads.isdigit() and int(threads) > 0:
@@ -163,6 +166,9 @@ def _run_and_report(spec, fds: dict) -> int:
     sock = socket.socket(fileno=fds["result"])
     global _channel_inode
     _channel_inode = os.fstat(sock.fileno()).st_ino
+    if spec.serve:
+        from .pgroup import arm_release
+        arm_release()   # before the first call: every thread must inherit its mask
     code = _call_and_report(sock, spec, fds["payload"], first=True)
     if spec.serve:
         # A World's rank: more calls follow, until the parent ends the world.

@@ -31,6 +31,9 @@ from .spec import RankSpec
 # Sent by the launching process to ask a rank for its Python stack: faulthandler answers
 # it at C level, even while the rank is blocked inside a gloo collective.
 STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
+# Sent by a healing World to every rank: shut down the connections to the other ranks,
+# which releases a collective left half-done (taken by a thread: _rank.pgroup).
+RELEASE_SIGNAL = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else None
 
 # Exit codes of a rank that the launching process reads as a reason.
 EXIT_ERROR = 1          # the function raised (its Raised message says what)

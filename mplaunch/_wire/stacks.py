@@ -38,6 +38,11 @@ REPORTER = COLLECTIVE_MARK + '{"reporter": true}' + COLLECTIVE_END
 _C10D = os.sep + os.path.join("torch", "distributed", "distributed_c10d.py")
 
 
+# Threads of mplaunch's own in a rank, by the function they run, for those that wait
+# inside the standard library (signal.sigwait) rather than in mplaunch's code.
+_OWN_THREADS = ("_release_loop",)
+
+
 def split_record(text: str) -> Tuple[str, Optional[dict]]:
     """(the dump without collective records, the last record or None)."""
     import json
@@ -92,6 +97,9 @@ def parse_dump(text: str) -> List[Tuple[str, List[Tuple[str, int, str]]]]:
         main = header.startswith("Current")
         if not main and frames and frames[0][0].startswith(_OWN_DIR):
             continue  # a thread of mplaunch's own, waiting in its code
+        if not main and any(f[0].startswith(_OWN_DIR) and f[2] in _OWN_THREADS
+                            for f in frames):
+            continue  # one waiting in the library (a healing World's release thread)
         threads.append((header, _users_frames(frames)))
     return threads
 

@@ -56,7 +56,7 @@ def main():
     opts = dict(start_method=method, grace_period=3.0,
                 preload=None if dataloader else ())
     if mode in ("run", "idle", "exit-idle"):
-        world = mplaunch.World(2, **opts)
+        world = mplaunch.World(2, heal=False, **opts)
         if mode == "run":
             try:
                 world.run(tree_rank.hold, (outdir, dataloader))
