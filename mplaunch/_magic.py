@@ -18,6 +18,7 @@ import linecache
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
+from ._rank import cells
 from .errors import LaunchTimeout, MainProcessError, WorkerError
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", "DEFAULT_NPROCS"]
@@ -52,79 +53,6 @@ def unload_ipython_extension(ipython) -> None:
 
 # -- the ranks' side ---------------------------------------------------------------------
 #
-# A cell travels as two arguments to the builtin exec: its source (compiled in the rank,
-# where its lines are also registered for the rank's own traceback) and the rank's
-# __main__ namespace, both resolved when the rank unpickles them. No function of ours
-# stands between the rank's call and the cell, so the cell's frames are the whole
-# traceback, in the rank's stderr and in the notebook.
-
-class _Cell:
-    __slots__ = ("filename", "shown", "offset", "body")
-
-    def __init__(self, filename: str, shown: str, offset: int, body: str):
-        self.filename, self.shown, self.offset, self.body = filename, shown, offset, body
-
-    def __reduce__(self):
-        return _cell_code, (self.filename, self.shown, self.offset, self.body)
-
-
-def _cell_code(filename: str, shown: str, offset: int, body: str):
-    """The code of a cell's body, whose line numbers are those of the cell as shown
-    (the body starts `offset` lines down, below the ``%%ranks`` line); its lines are
-    registered in linecache under `filename`, so tracebacks show them."""
-    import ast
-    lines = shown.splitlines(True)
-    # mtime None: linecache.checkcache keeps the entry, as it keeps IPython's own.
-    linecache.cache[filename] = (len(shown), None, lines, filename)
-    tree = ast.parse("\n" * offset + body, filename, "exec")
-    _display_last_expression(tree)
-    return compile(tree, filename, "exec", dont_inherit=True)
-
-
-def _display_last_expression(tree) -> None:
-    """Pass a last expression statement's value to sys.displayhook, as a REPL (and
-    IPython) shows a cell's value: in a rank, its repr is printed and relayed."""
-    import ast
-    if not tree.body or not isinstance(tree.body[-1], ast.Expr):
-        return
-    expr = tree.body[-1]
-    hook = ast.Attribute(value=ast.Call(func=ast.Name("__import__", ast.Load()),
-                                        args=[ast.Constant("sys")], keywords=[]),
-                         attr="displayhook", ctx=ast.Load())
-    expr.value = ast.Call(func=hook, args=[expr.value], keywords=[])
-    ast.fix_missing_locations(expr)  # the new nodes take the statement's position
-
-
-class _MainNamespace:
-    """Unpickles as the namespace of the rank's current ``__main__``."""
-
-    def __reduce__(self):
-        return _main_namespace, ()
-
-
-def _main_namespace() -> Dict[str, Any]:
-    return vars(sys.modules["__main__"])
-
-
-def _push(values: Dict[str, Any]) -> None:
-    _main_namespace().update(values)
-
-
-def _pull(name: str) -> Tuple[str, Any]:
-    """("ok", value), or ("missing", None), or ("unpicklable", reason): a look-up that
-    fails must not fail the run, which would tear the world down."""
-    namespace = _main_namespace()
-    if name not in namespace:
-        return "missing", None
-    value = namespace[name]
-    try:
-        import cloudpickle
-        cloudpickle.dumps(value)
-    except Exception as exc:  # noqa: BLE001 - any failure is the answer
-        return "unpicklable", f"{type(value).__name__}: {type(exc).__name__}: {exc}"
-    return "ok", value
-
-
 # -- the notebook's side -----------------------------------------------------------------
 
 class _Usage(Exception):
@@ -323,10 +251,10 @@ class _Ranks:
         missing = [n for n in names if n not in namespace]
         if missing:
             raise _Usage(f"%ranks push: not defined in the notebook: {', '.join(missing)}")
-        self._run(_push, ({n: namespace[n] for n in names},), None)
+        self._run(cells.push, ({n: namespace[n] for n in names},), None)
 
     def pull(self, name: str) -> list:
-        answers = self._run(_pull, (name,), None)
+        answers = self._run(cells.pull, (name,), None)
         missing = [rank for rank, (state, _) in enumerate(answers) if state == "missing"]
         if missing:
             raise _Usage(f"%ranks pull: {name!r} is not defined in rank(s) "
@@ -345,7 +273,7 @@ class _Ranks:
         filename = self._register(shown)
         # Compiled here first: a syntax error shows at once, and spends no world.
         try:
-            _cell_code(filename, shown, 1, body)
+            cells.cell_code(filename, shown, 1, body)
         except SyntaxError as exc:
             error = exc
         else:
@@ -358,7 +286,7 @@ class _Ranks:
             if isinstance(placement.get("gpus"), list):
                 self.settings["nprocs"] = len(placement["gpus"])
             self.stop(quiet=True)   # the next _run starts ranks placed so
-        self._run(exec, (_Cell(filename, shown, 1, body), _MainNamespace()), args.timeout,
+        self._run(exec, (cells.Cell(filename, shown, 1, body), cells.MainNamespace()), args.timeout,
                   cell=True)
 
     def _register(self, shown: str) -> str:

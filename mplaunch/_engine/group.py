@@ -18,17 +18,16 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from . import spawners
+from .failures import exited as exit_failure, of_node, of_rank, raised
 from .config import LaunchConfig
 from .output import StreamRelay, read_pipe
 from .ranks import RankState, drain_outputs
 from .signals import Waker
-from .._wire import linux
 from .._wire.channel import send_framed
-from .._wire.memory import killed_why
-from .._wire.messages import CALL_TAG, EXIT_CHANNEL_CLOSED, RESULT_TAG, Raised, Returned
+from .._wire.messages import CALL_TAG, RESULT_TAG, Raised, Returned
 from .._wire.payload import loads_result
 from .._wire.spec import RankSpec
-from ..errors import RankFailure, signal_name
+from ..errors import RankFailure
 
 _DRAIN_WAIT = 2.0      # how long output pipes may stay open after every rank is gone
 _MAX_SELECT = 86400.0
@@ -122,7 +121,8 @@ class RankGroup:
     def start_failed(self, token: int, reason: str) -> None:
         r = self.ranks[token]
         r.status, r.pid = 1 << 8, -1
-        self.fail(self._record(r, exitcode=1, message=f"could not start: {reason}"))
+        self.fail(of_rank(r, self.attempt, exitcode=1,
+                          message=f"could not start: {reason}"))
 
     def server_lost(self, pid: Optional[int], how: str) -> None:
         """The server (`pid`) died (`how`: "was killed by SIGKILL"), and every rank it
@@ -135,8 +135,8 @@ class RankGroup:
             r.status = signal.SIGKILL
             if r.pid is None:
                 r.pid = -1
-            self.fail(self._record(
-                r, exitcode=-signal.SIGKILL, signal="SIGKILL",
+            self.fail(of_rank(
+                r, self.attempt, exitcode=-signal.SIGKILL, signal="SIGKILL",
                 message=first if r is dead[0] else "it died with mplaunch's server process"))
 
     # -- calls (a World's ranks stay up between them) ----------------------------------
@@ -225,7 +225,7 @@ class RankGroup:
                                  f"the parent could not unpickle rank {r.spec.rank}'s "
                                  f"return value: {exc}", None, 1, time.time())
                 if not self.stopping:
-                    self.fail(self._failure_from_error(r, r.error))
+                    self.fail(raised(r, self.attempt, r.error))
             return
         for fd in fds:
             os.close(fd)
@@ -236,7 +236,7 @@ class RankGroup:
             r.error = msg
             # An error raised after the teardown began is its consequence, not a cause.
             if self.teardown is None or msg.timestamp <= self.teardown.wall:
-                self.fail(self._failure_from_error(r, msg))
+                self.fail(raised(r, self.attempt, msg))
 
     def _read_output(self, fd: int, relay: StreamRelay) -> None:
         chunk = read_pipe(fd)
@@ -253,40 +253,11 @@ class RankGroup:
         r.exited_at = time.time()
         if r.reader.sock.fileno() != -1:
             self._read_result(r)  # everything it sent is already in the socket
-        exitcode, signo = linux.describe_status(status)
         if r.error is not None or self.stopping:
             return
-        if r.has_result and exitcode == 0 and not r.spec.serve:
-            return
-        if signo is not None:
-            failure = self._record(r, exitcode=exitcode, signal=signal_name(signo),
-                                   message=killed_why(signo, r.exit_note))
-        elif exitcode == EXIT_CHANNEL_CLOSED and not r.has_result:
-            failure = self._record(r, exitcode=exitcode, message=(
-                "closed its result channel before it returned, so its result or error "
-                "could not be sent (did it close file descriptors it did not open, e.g. "
-                "os.closerange(3, ...)?)"))
-        elif r.spec.serve:
-            failure = self._record(r, exitcode=exitcode, message=f"exited with code "
-                                   f"{exitcode} while its World was up")
-        elif exitcode == 0:
-            failure = self._record(r, exitcode=0, message="exited with code 0 without "
-                                   "returning a result (did it call os._exit(0)?)")
-        else:
-            failure = self._record(r, exitcode=exitcode)
-        self.fail(failure)   # a healing World replaces it after the call
-
-    def _record(self, r: RankState, **fields) -> RankFailure:
-        fields.setdefault("timestamp", r.exited_at or time.time())
-        fields.setdefault("max_rss", r.max_rss)
-        return RankFailure(r.spec.rank, r.pid, attempt=self.attempt,
-                           local_rank=r.local_rank, node_rank=r.spec.node_rank,
-                           hostname=r.spec.hostname, **fields)
-
-    def _failure_from_error(self, r: RankState, msg: Raised) -> RankFailure:
-        return self._record(r, exitcode=msg.exitcode, exc_type=msg.type_name,
-                            message=msg.message, traceback=msg.traceback,
-                            timestamp=msg.timestamp)
+        failure = exit_failure(r, self.attempt, status)
+        if failure is not None:
+            self.fail(failure)   # a healing World replaces it after the call
 
     def fail(self, failure: RankFailure) -> None:
         """Record a failure of this node and tear the group down; in a healing World's
@@ -296,13 +267,8 @@ class RankGroup:
             self.stop(signal.SIGTERM)
 
     def node_failure(self, message: str) -> RankFailure:
-        """A failure of this node as a whole (not of one rank's process), recorded
-        under its first rank."""
-        first = self.ranks[0].spec
-        return RankFailure(first.rank, None, None, None, message=message,
-                           attempt=self.attempt, timestamp=time.time(),
-                           local_rank=first.local_rank, node_rank=first.node_rank,
-                           hostname=first.hostname)
+        """A failure of this node as a whole, recorded under its first rank."""
+        return of_node(self.ranks[0].spec, self.attempt, message)
 
     # -- stopping --------------------------------------------------------------------
     def stop(self, signo: int = signal.SIGTERM,

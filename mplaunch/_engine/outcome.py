@@ -7,9 +7,9 @@ cause) is kept; error files are written for torch elastic's tools.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, List, Optional
 
+from .failures import stopped as stopped_failure, timed_out as timeout_failure
 from .ending import Ending, EndKind
 from .group import RankGroup
 from .tails import summarize_tail, write_error_file
@@ -100,16 +100,10 @@ def _with_cause(err: WorkerError, raised: Optional[Raised]) -> WorkerError:
 
 def _stopped_record(attempt, rank: int) -> RankFailure:
     r = attempt.group.ranks[rank - attempt.cfg.global_rank(0)]
-    return RankFailure(rank, r.pid, None, None, message="was stopped before it returned "
-                       "(stop() was called)", attempt=attempt.number,
-                       timestamp=attempt.group.teardown.wall, local_rank=r.local_rank,
-                       node_rank=r.spec.node_rank, hostname=r.spec.hostname)
+    return stopped_failure(r, attempt.number, attempt.group.teardown.wall)
 
 
 def _timeout_record(attempt, ending: Ending) -> RankFailure:
     stuck: Optional[int] = min(ending.stacks) if ending.stacks else None
-    first = attempt.group.ranks[0].spec
-    return RankFailure(first.rank if stuck is None else stuck, None, None, None,
-                       exc_type=None,
-                       message=f"was still running after {ending.time_limit:g} s",
-                       attempt=attempt.number, timestamp=time.time())
+    rank = attempt.group.ranks[0].spec.rank if stuck is None else stuck
+    return timeout_failure(rank, attempt.number, ending.time_limit)
