@@ -305,7 +305,7 @@ def fork_rank(spec: RankSpec, fdmap: dict) -> int:
         try:
             linux.set_child_subreaper()
             from .._rank.worker import run_rank
-            run_rank(spec, fdmap, parent)
+            run_rank(spec, fdmap, parent, forked_from_launcher=True)
         finally:
             os._exit(1)
     if fdmap.get("stdin") is None:

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-from . import collectives, procgroup, rendezvous, serve as serving, streams
+from . import collectives, pgroup, procgroup, rendezvous, serve as serving, streams
 # Imported here, not when first used: the server imports this module before it forks
 # any rank (a forked rank finds them loaded), and every rank needs them.
 from .._wire import linux, mainmod, payload as wire_payload
@@ -81,7 +81,7 @@ def _lead_own_group(stdin) -> None:
         pass
 
 
-def _apply_spec(spec) -> None:
+def _apply_spec(spec, forked_from_launcher: bool = False) -> None:
     os.environ.clear()
     os.environ.update(spec.env)
     try:
@@ -96,9 +96,9 @@ def _apply_spec(spec) -> None:
     if spec.cpus:
         # cpus=: before any user code, so that every thread it starts inherits the set.
         os.sched_setaffinity(0, spec.cpus)
-    # Only a fork of the launching process has any (see there); a few reads of /proc.
-    from .pgroup import close_inherited_store_sockets
-    close_inherited_store_sockets()
+    if forked_from_launcher:
+        # Only a fork of the launching process has any (see there); it reads /proc.
+        pgroup.close_inherited_store_sockets()
     torch = sys.modules.get("torch")
     threads = os.environ.get("OMP_NUM_THREADS")
     if torch is not None and threads and threads.isdigit() and int(threads) > 0:
@@ -110,14 +110,14 @@ def _apply_spec(spec) -> None:
             pass
 
 
-def run_rank(spec, fds: dict, expected_ppid: int):
+def run_rank(spec, fds: dict, expected_ppid: int, forked_from_launcher: bool = False):
     """Run one rank in this (new) process. Never returns."""
     code = EXIT_ERROR
     try:
         terminal = spec.terminal or {}
         _take_over_process(fds, expected_ppid, terminal,
                            unbuffered=bool(spec.env.get("PYTHONUNBUFFERED")))
-        _apply_spec(spec)
+        _apply_spec(spec, forked_from_launcher)
         code = _run_and_report(spec, fds)
     except _ChannelClosed as exc:
         code = EXIT_CHANNEL_CLOSED
@@ -167,8 +167,7 @@ def _run_and_report(spec, fds: dict) -> int:
     global _channel_inode
     _channel_inode = os.fstat(sock.fileno()).st_ino
     if spec.serve:
-        from .pgroup import arm_release
-        arm_release()   # before the first call: every thread must inherit its mask
+        pgroup.arm_release()   # before the first call: every thread must inherit its mask
     code = _call_and_report(sock, spec, fds["payload"], first=True)
     if spec.serve:
         # A World's rank: more calls follow, until the parent ends the world.
