@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVa
 from ._engine import servers, signals
 from ._engine.attempt import Attempt
 from ._engine.config import LaunchConfig, check_call, seconds, validate, with_streams
-from ._engine.heal import CallDriver, consequences_last, replace_rank
+from ._engine.heal import CallDriver, consequences_last, replace_rank, what_was_kept
 from ._engine.outcome import error_for, results_or_raise
 from ._engine.session import Session
 from ._rank import procgroup
@@ -270,23 +270,8 @@ class World:
             return (f"the world could not be healed ({type(exc).__name__}: {exc}) and was "
                     "torn down; the next run starts fresh ranks")
         self._fresh = [group.ranks[i].spec.rank for i in dead]
-        said = []
-        if dead:
-            pids = {group.ranks[i].spec.rank: group.ranks[i].pid for i in dead}
-            said.append(f"rank(s) {self.fresh_ranks} died and were replaced by fresh "
-                        f"processes (pids {pids}) whose state is gone: send it again "
-                        "(world.fresh_ranks names them)")
-        if backend is not None:
-            why = ("a rank died" if dead else "a collective was left half-done" if released
-                   else "the ranks left it in different states")
-            holders = sorted({name for names in stale for name in names})
-            remake = (f"; these hold the old group and must be made again: "
-                      f"{', '.join(holders)}" if holders else "")
-            said.append(f"the process group was rebuilt ({why}){remake}. Objects made with "
-                        "the old group (a DistributedDataParallel module, groups from "
-                        "new_group) must be made again: ddp = "
-                        "DistributedDataParallel(module) broadcasts rank 0's parameters")
-        return "the world was kept: its ranks and their state; " + "; ".join(said)
+        pids = {group.ranks[i].spec.rank: group.ranks[i].pid for i in dead}
+        return what_was_kept(pids, backend, released, stale)
 
     def _rebuild(self, backend, n: int, dead: List[int], live) -> list:
         """Start a fresh process for each dead rank and build the group again in every
@@ -346,7 +331,7 @@ class World:
     def _torn_down(self, attempt: Attempt, quiet: bool = False) -> list:
         self._stop()
         if not quiet:
-                log.warning("mplaunch.World: the failed call tore the world's %d ranks down; "
+            log.warning("mplaunch.World: the failed call tore the world's %d ranks down; "
                         "the next call starts fresh ranks", self.nprocs)
         return results_or_raise(attempt)
 

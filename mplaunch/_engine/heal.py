@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from .attempt import Attempt
 from .ending import Ending, EndKind
@@ -209,3 +209,27 @@ def replace_rank(group: RankGroup, local_rank: int, payload_fd: int) -> RankStat
     while new.pid is None and new.alive:
         group.spawner.pump()
     return new
+
+
+def what_was_kept(replaced: Dict[int, int], backend: Optional[str], released: bool,
+                  stale: list) -> str:
+    """What a healed World kept, for its error: `replaced` maps each rank that died and
+    was replaced to its new pid; with a `backend` the group was rebuilt (a collective
+    `released`, or the ranks disagreed), and `stale` lists, per rank, the names of the
+    objects that still hold the old group."""
+    said = []
+    if replaced:
+        said.append(f"rank(s) {sorted(replaced)} died and were replaced by fresh "
+                    f"processes (pids {replaced}) whose state is gone: send it again "
+                    "(world.fresh_ranks names them)")
+    if backend is not None:
+        why = ("a rank died" if replaced else "a collective was left half-done" if released
+               else "the ranks left it in different states")
+        holders = sorted({name for names in stale for name in names})
+        remake = (f"; these hold the old group and must be made again: "
+                  f"{', '.join(holders)}" if holders else "")
+        said.append(f"the process group was rebuilt ({why}){remake}. Objects made with "
+                    "the old group (a DistributedDataParallel module, groups from "
+                    "new_group) must be made again: ddp = "
+                    "DistributedDataParallel(module) broadcasts rank 0's parameters")
+    return "the world was kept: its ranks and their state; " + "; ".join(said)
