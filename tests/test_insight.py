@@ -68,8 +68,10 @@ def one_rank_lags(flagdir):
 def waits_for_go(flagdir):
     rank = int(os.environ["RANK"])
     open(os.path.join(flagdir, f"ready{rank}"), "w").close()
-    while not os.path.exists(os.path.join(flagdir, "go")):
-        time.sleep(0.02)
+    go = os.path.join(flagdir, "go")
+    # One line of C calls only (os.path.exists is Python): whenever the stacks are read,
+    # every rank is at the same line with the same frames.
+    while not os.access(go, os.F_OK): time.sleep(0.02)  # noqa: E701
     return rank
 
 
