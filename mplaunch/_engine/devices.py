@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
+from .._wire.spec import uses_cuda
+
 PER_RANK = "per-rank"
 
 
@@ -319,15 +321,6 @@ def format_cpus(cpus: Sequence[int]) -> str:
 
 
 # -- one launch's placement ------------------------------------------------------------
-
-def uses_cuda(backend: Optional[str]) -> bool:
-    """Whether a torch.distributed backend string puts a process group on CUDA: "nccl",
-    or a device map such as "cpu:gloo,cuda:nccl"."""
-    if not backend:
-        return False
-    parts = [p.strip().lower() for p in backend.split(",")]
-    return any(p == "nccl" or p.startswith("cuda:") for p in parts)
-
 
 @dataclass(frozen=True)
 class Placement:

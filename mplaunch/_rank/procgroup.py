@@ -14,16 +14,9 @@ import signal
 import sys
 from typing import Optional
 
+from .._wire.spec import uses_cuda
+
 _ours = False   # the default group was made here, and is ours to end
-
-
-def uses_cuda(backend: Optional[str]) -> bool:
-    """"nccl", or a device map such as "cpu:gloo,cuda:nccl". (The launching process
-    decides the same in _engine.devices; a rank imports nothing of the launcher's.)"""
-    if not backend:
-        return False
-    parts = [p.strip().lower() for p in backend.split(",")]
-    return any(p == "nccl" or p.startswith("cuda:") for p in parts)
 
 
 def local_device(environ=os.environ) -> int:

@@ -43,3 +43,13 @@ class RankSpec:
             return ""
         return template.format(rank=self.rank, local_rank=self.local_rank,
                                node_rank=self.node_rank, host=self.hostname)
+
+
+def uses_cuda(backend: Optional[str]) -> bool:
+    """Whether a torch.distributed backend string (RankSpec.backend) puts a process group
+    on CUDA: "nccl", or a device map such as "cpu:gloo,cuda:nccl". The launching process
+    places GPUs by it and the rank selects its device by it: one reading for both."""
+    if not backend:
+        return False
+    parts = [p.strip().lower() for p in backend.split(",")]
+    return any(p == "nccl" or p.startswith("cuda:") for p in parts)
