@@ -14,7 +14,8 @@ import contextlib
 import logging
 import sys
 import threading
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVar
+from typing import (Any, Callable, Iterator, List, Mapping, Optional, Sequence, Set,
+                    TypeVar)
 
 from ._engine import servers, signals
 from ._engine.attempt import Attempt
@@ -203,14 +204,22 @@ class World:
     def _send(self, payload: bytes) -> Attempt:
         attempt = self._attempt
         attempt.group.relay_to(sys.stdout, sys.stderr)
-        fd = linux.memfd_with(payload, "mplaunch-payload")
-        try:
-            attempt.group.call(fd)
-        except OSError:
-            pass  # a rank is gone: the loop below finds out which, and why
-        finally:
-            servers.close_fd(fd)
+        with _payload_fd(payload) as fd:
+            try:
+                attempt.group.call(fd)
+            except OSError:
+                pass  # a rank is gone: the loop below finds out which, and why
         return attempt
+
+    def _driven(self, on_signal, drive: Callable[[], None]) -> None:
+        """Run `drive` with signals to this process forwarded to `on_signal`; whatever
+        it raises tears the world down first."""
+        try:
+            with signals.forwarding(on_signal, warn=False):
+                drive()
+        except BaseException:
+            self._stop()
+            raise
 
     def _call(self, payload: bytes, timeout: Optional[float]) -> list:
         return self._wait_replies(self._send(payload), timeout)
@@ -221,11 +230,7 @@ class World:
         driver = CallDriver(attempt, RELEASE_SIGNAL)
         group.heal = True
         try:
-            with signals.forwarding(driver.on_signal, warn=False):
-                driver.drive(timeout)
-        except BaseException:
-            self._stop()
-            raise
+            self._driven(driver.on_signal, lambda: driver.drive(timeout))
         finally:
             group.heal = False
         if group.stopping or not group.running:
@@ -277,36 +282,24 @@ class World:
         """Start a fresh process for each dead rank and build the group again in every
         rank (key space `n`); each live rank's names of stale objects."""
         group = self._attempt.group
-        payload = dumps_payload(rebuild, (backend, n), {})
-        fd = linux.memfd_with(payload, "mplaunch-payload")
-        try:
+        with _payload_fd(dumps_payload(rebuild, (backend, n), {})) as fd:
             # The fresh ranks first: a fork (start_method="fork") of this process while
             # its store serves the others' rendezvous could inherit a lock held.
             for i in dead:
                 replace_rank(group, i, fd)
             group.call(fd, live)
-        finally:
-            servers.close_fd(fd)
         return self._wait_replies(self._attempt, max(30.0, self.cfg.grace_period),
                                   quiet=True)
 
     def _control(self, func, args, timeout, ranks) -> list:
         """A call of mplaunch's own in these ranks; torn down and raised if it fails."""
-        group = self._attempt.group
-        fd = linux.memfd_with(dumps_payload(func, args, {}), "mplaunch-payload")
-        try:
-            group.call(fd, ranks)
-        finally:
-            servers.close_fd(fd)
         attempt = self._attempt
         group = attempt.group
-        try:
-            with signals.forwarding(attempt.on_signal, warn=False):
-                attempt.drive(until=lambda: all(r.has_result for r in ranks)
-                              or group.stopping, timeout=timeout)
-        except BaseException:
-            self._stop()
-            raise
+        with _payload_fd(dumps_payload(func, args, {})) as fd:
+            group.call(fd, ranks)
+        self._driven(attempt.on_signal, lambda: attempt.drive(
+            until=lambda: all(r.has_result for r in ranks) or group.stopping,
+            timeout=timeout))
         if group.stopping or not all(r.has_result for r in ranks):
             self._stop()
             results_or_raise(attempt)    # raises what stopped it
@@ -316,13 +309,8 @@ class World:
     def _wait_replies(self, attempt: Attempt, timeout: Optional[float],
                       quiet: bool = False) -> list:
         group = attempt.group
-        try:
-            with signals.forwarding(attempt.on_signal, warn=False):
-                attempt.drive(until=lambda: group.replied and not group.stopping,
-                              timeout=timeout)
-        except BaseException:
-            self._stop()
-            raise
+        self._driven(attempt.on_signal, lambda: attempt.drive(
+            until=lambda: group.replied and not group.stopping, timeout=timeout))
         if group.running and not group.stopping:
             group.relay_written()
             return [r.result for r in group.ranks]
@@ -346,6 +334,16 @@ class World:
             attempt.drive()          # SIGTERM, then SIGKILL after the grace period
         finally:
             stack.close()            # the group, then the session
+
+
+@contextlib.contextmanager
+def _payload_fd(payload: bytes) -> Iterator[int]:
+    """A memfd holding `payload` for the ranks; closed once they have their copies."""
+    fd = linux.memfd_with(payload, "mplaunch-payload")
+    try:
+        yield fd
+    finally:
+        servers.close_fd(fd)
 
 
 def _forget_failures(attempt: Attempt) -> None:
