@@ -26,6 +26,7 @@ import sys
 import threading
 from typing import Dict, List, Optional, Set, Tuple
 
+from .._wire import linux
 from .._wire.messages import RELEASE_SIGNAL
 
 
@@ -92,12 +93,14 @@ def release_connections() -> int:
     ranks); the number shut down. The fds stay open (gloo owns them and closes them when
     the group is destroyed), so no fd number is reused under gloo's feet."""
     import socket
-    mine = _socket_fds(os.getpid())
+    me = os.getpid()
+    mine = _socket_fds(me)
     if not mine:
         return 0
     peers_inodes: Set[int] = set()
-    for pid in _siblings():
-        peers_inodes.update(_socket_fds(pid).values())
+    for pid in linux.children_of(os.getppid()):   # the ranks share their parent
+        if pid != me:
+            peers_inodes.update(_socket_fds(pid).values())
     table = _tcp_table()
     peer_locals = {table[i][0] for i in peers_inodes if i in table}
     done = 0
@@ -134,23 +137,6 @@ def _socket_fds(pid: int) -> Dict[int, int]:
             continue
         if target.startswith("socket:["):
             out[int(name)] = int(target[8:-1])
-    return out
-
-
-def _siblings() -> List[int]:
-    me, parent = os.getpid(), os.getppid()
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) > 1 and int(fields[1]) == parent:
-            out.append(int(name))
     return out
 
 
