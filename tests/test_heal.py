@@ -378,14 +378,8 @@ def agree():
 @pytest.mark.notebook
 def test_a_notebook_keeps_its_ddp_model_through_a_typo_an_interrupt_and_a_dead_rank(
         kernel_config, tmp_path):
-    import asyncio
-
-    import nbformat  # noqa: F401
-    from nbformat.v4 import new_code_cell, new_notebook
-    from test_notebook import (KernelTree, _client, _errors, _interrupt_when_started,
-                               _stream)
+    from test_notebook import _errors, _stream, run_cells
     pidfile = tmp_path / "pids"
-    tag = {"tags": ["raises-exception"]}
     sources = {
         "start": "%load_ext mplaunch\n%ranks start 2",
         "build": _BUILD,
@@ -417,32 +411,7 @@ def test_a_notebook_keeps_its_ddp_model_through_a_typo_an_interrupt_and_a_dead_r
         "stop": "%ranks stop",
     }
     failing = ("typo", "interrupt", "die")
-    nb = new_notebook(cells=[new_code_cell(src, id=name,
-                                           metadata=tag if name in failing else {})
-                             for name, src in sources.items()])
-    tree = KernelTree()
-    client = _client(nb, kernel_config, tmp_path)
-
-    async def scenario():
-        async with client.async_setup_kernel():
-            for i, cell in enumerate(nb.cells):
-                if cell.id == "interrupt":
-                    waiter = asyncio.ensure_future(
-                        _interrupt_when_started(client, pidfile, tree))
-                    try:
-                        await client.async_execute_cell(cell, i)
-                    finally:
-                        if not waiter.done():
-                            waiter.cancel()
-                else:
-                    await client.async_execute_cell(cell, i)
-                tree.snapshot(client)
-
-    try:
-        asyncio.run(scenario())
-    finally:
-        tree.wait_gone()
-    cells = {cell.id: cell for cell in nb.cells}
+    cells = run_cells(sources, kernel_config, tmp_path, failing, ("interrupt", pidfile))
     for name, cell in cells.items():
         if name not in failing:
             assert not _errors(cell), (name, cell.outputs)

@@ -443,7 +443,7 @@ def test_ranks_stacks_magic_in_a_kernel(kernel_config, tmp_path):
     import asyncio
 
     from nbformat.v4 import new_code_cell, new_notebook
-    from test_notebook import KernelTree, _client, _errors, _stream
+    from test_notebook import _errors, _stream, run_cells
 
     sources = {
         "load": "%load_ext mplaunch\n%ranks start 2 --backend none",
@@ -455,21 +455,7 @@ def test_ranks_stacks_magic_in_a_kernel(kernel_config, tmp_path):
         "stacks": "%ranks stacks",
         "stop": "%ranks stop",
     }
-    nb = new_notebook(cells=[new_code_cell(src, id=name) for name, src in sources.items()])
-    tree = KernelTree()
-    client = _client(nb, kernel_config, tmp_path)
-
-    async def scenario():
-        async with client.async_setup_kernel():
-            for i, cell in enumerate(nb.cells):
-                await client.async_execute_cell(cell, i)
-                tree.snapshot(client)
-
-    try:
-        asyncio.run(scenario())
-    finally:
-        tree.wait_gone()
-    cells = {cell.id: cell for cell in nb.cells}
+    cells = run_cells(sources, kernel_config, tmp_path)
     for name, cell in cells.items():
         assert not _errors(cell), (name, cell.outputs)
     out = _stream(cells["stacks"])

@@ -2,16 +2,14 @@
 CPUs, in a real Jupyter kernel (the machinery is test_notebook's)."""
 from __future__ import annotations
 
-import asyncio
 import os
 
 import pytest
 
 pytest.importorskip("nbclient")
 
-from nbformat.v4 import new_code_cell, new_notebook  # noqa: E402
-from test_notebook import (KernelTree, _client, _errors, _plain, _stream,  # noqa: E402,F401
-                          kernel_config)
+from test_notebook import (_errors, _plain, _stream, kernel_config,  # noqa: E402,F401
+                           run_cells)
 
 from mplaunch._engine.devices import format_cpus  # noqa: E402
 
@@ -39,24 +37,7 @@ def test_ranks_placed_per_rank_and_shown(kernel_config, tmp_path):
         "bad": "%ranks start --cpus 3",
         "stop": "%ranks stop",
     }
-    nb = new_notebook(cells=[new_code_cell(src, id=name,
-                                           metadata={"tags": ["raises-exception"]}
-                                           if name == "bad" else {})
-                             for name, src in sources.items()])
-    tree = KernelTree()
-    client = _client(nb, kernel_config, tmp_path)
-
-    async def scenario():
-        async with client.async_setup_kernel():
-            for i, cell in enumerate(nb.cells):
-                await client.async_execute_cell(cell, i)
-                tree.snapshot(client)
-
-    try:
-        asyncio.run(scenario())
-    finally:
-        tree.wait_gone()
-    cells = {cell.id: cell for cell in nb.cells}
+    cells = run_cells(sources, kernel_config, tmp_path, failing=("bad",))
     for name, cell in cells.items():
         if name != "bad":
             assert not _errors(cell), (name, cell.outputs)

@@ -201,6 +201,40 @@ async def _interrupt_when_started(client, pidfile, tree: KernelTree) -> list:
         await client.km.interrupt_kernel()
 
 
+def run_cells(sources: dict, config, cwd, failing=(), interrupt=None) -> dict:
+    """Run one notebook of these cells ({id: source}) in a real kernel, in order, and
+    return them by id once every process below the kernel is gone. The `failing` cells
+    may raise; the `interrupt` cell, a (cell id, pidfile) pair, gets the stop button
+    once both of its ranks have written their pid to pidfile."""
+    tag = {"tags": ["raises-exception"]}
+    nb = new_notebook(cells=[new_code_cell(src, id=name,
+                                           metadata=tag if name in failing else {})
+                             for name, src in sources.items()])
+    tree = KernelTree()
+    client = _client(nb, config, cwd)
+
+    async def scenario():
+        async with client.async_setup_kernel():
+            for i, cell in enumerate(nb.cells):
+                if interrupt is not None and cell.id == interrupt[0]:
+                    waiter = asyncio.ensure_future(
+                        _interrupt_when_started(client, interrupt[1], tree))
+                    try:
+                        await client.async_execute_cell(cell, i)
+                    finally:
+                        if not waiter.done():
+                            waiter.cancel()
+                else:
+                    await client.async_execute_cell(cell, i)
+                tree.snapshot(client)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        tree.wait_gone()
+    return {cell.id: cell for cell in nb.cells}
+
+
 def test_failing_rank_and_interrupt_in_a_kernel(kernel_config, tmp_path):
     pidfile = tmp_path / "pids"
     tag = {"tags": ["raises-exception"]}
