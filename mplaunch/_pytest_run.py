@@ -14,6 +14,7 @@ import pytest
 
 from ._engine import servers
 from ._launch import launch as _launch
+from ._wire import pickler
 from ._rank.pytest_rank import _RankOutcome, _run_in_rank, _run_in_reused_rank
 from ._world import World
 from .errors import LaunchTimeout, MainProcessError, WorkerError
@@ -141,11 +142,11 @@ def _dumps_test(func, kwargs) -> bytes:
         cloudpickle.register_pickle_by_value(module)
     try:
         try:
-            return cloudpickle.dumps((func, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+            return pickler.dumps((func, kwargs))
         except Exception as exc:  # noqa: BLE001 - name the culprit below
             for name, value in kwargs.items():
                 try:
-                    cloudpickle.dumps(value)
+                    pickler.dumps(value)
                 except Exception as inner:  # noqa: BLE001
                     raise TypeError(
                         f"mplaunch cannot send argument {name!r} ({type(value).__name__}) "

@@ -75,8 +75,8 @@ def pull(name: str) -> Tuple[str, Any]:
         return "missing", None
     value = namespace[name]
     try:
-        import cloudpickle
-        cloudpickle.dumps(value)
+        from .._wire.pickler import dumps
+        dumps(value)
     except Exception as exc:  # noqa: BLE001 - any failure is the answer
         return "unpicklable", f"{type(value).__name__}: {type(exc).__name__}: {exc}"
     return "ok", value

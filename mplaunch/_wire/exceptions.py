@@ -16,9 +16,8 @@ import sys
 import traceback as _tb
 from types import TracebackType
 
-import cloudpickle
-
 from ..errors import RemoteException
+from .pickler import Pickler
 
 __all__ = ["pack_exception", "unpack_exception", "exception_type_name"]
 
@@ -84,7 +83,7 @@ def _message_of(exc: BaseException) -> str:
         return f"<{type(exc).__name__} with a failing __str__>"
 
 
-class _ExceptionPickler(cloudpickle.Pickler):
+class _ExceptionPickler(Pickler):
     """Pickles an exception with its traceback frames, __cause__, __context__ and
     __notes__, without touching the process-wide copyreg table (registering picklers
     there would change how every exception pickles in the user's process from then on).

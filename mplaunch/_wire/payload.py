@@ -15,13 +15,14 @@ import types
 import cloudpickle
 
 from . import mainmod
+from .pickler import Pickler, dumps as _dumps
 
 __all__ = ["dumps_payload", "loads_payload", "dumps_result", "loads_result"]
 
 
 def _pickling_problem(obj) -> str | None:
     try:
-        cloudpickle.dumps(obj)
+        _dumps(obj)
     except Exception as exc:  # noqa: BLE001 - any failure is the answer
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -99,8 +100,9 @@ def loads_payload(data: bytes, main_path: str):
     return func, args, kwargs
 
 
-class _PayloadPickler(cloudpickle.Pickler):
-    """cloudpickle, and two things about `__main__`:
+class _PayloadPickler(Pickler):
+    """mplaunch's cloudpickle (code keeps its file: see _wire.pickler), and two things
+    about `__main__`:
 
     - with `by_name`, a class or function found by name in `__main__` is written as a
       reference to the rank's `__main__` (and collected in `found`, to go by value in
@@ -141,7 +143,7 @@ class _PayloadPickler(cloudpickle.Pickler):
         return _cloudpickle_reduce(self, obj)
 
 
-_cloudpickle_reduce = cloudpickle.Pickler.reducer_override
+_cloudpickle_reduce = Pickler.reducer_override
 
 
 @contextlib.contextmanager
@@ -198,7 +200,7 @@ def _all_names(code) -> set:
     return names
 
 
-class ResultPickler(cloudpickle.Pickler):
+class ResultPickler(Pickler):
     """Pickles a rank's return value. Large CPU tensors, bytes, bytearrays and buffers
     that pickle out of band (numpy arrays) travel through shared memory (an anonymous
     memfd sent over the result socket) rather than as bytes in the stream: one copy in
