@@ -20,6 +20,8 @@ __version__ = "0.1.0"
 __all__ = [
     "launch",
     "start",
+    "spawn",
+    "SpawnContext",
     "Handle",
     "World",
     "rank_state",
@@ -36,6 +38,8 @@ __all__ = [
 _HOMES = {
     "launch": "._launch",
     "start": "._handle",
+    "spawn": "._spawn",
+    "SpawnContext": "._spawn",
     "Handle": "._handle",
     "World": "._world",
     "rank_state": "._rank.serve",
@@ -54,6 +58,7 @@ if TYPE_CHECKING:
 
     from ._handle import Handle, start
     from ._launch import launch
+    from ._spawn import SpawnContext, spawn
     from ._magic import load_ipython_extension, unload_ipython_extension
     from ._rank.serve import rank_state
     from ._world import World

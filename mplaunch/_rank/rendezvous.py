@@ -1,5 +1,8 @@
-"""The rank's env:// rendezvous: ``init_process_group()`` joins the store the launching
-process already hosts on MASTER_PORT, instead of rank 0 starting a store there.
+"""The rank's rendezvous: ``init_process_group()`` joins the store the launching process
+already hosts on MASTER_PORT, instead of rank 0 starting a store there, in every form
+that names that store: ``env://`` (the default), with or without ``rank=``/``world_size=``
+(which torch turns into a URL query), and ``tcp://MASTER_ADDR:MASTER_PORT``. Any other
+address, a ``file://`` URL or a ``store=`` is torch's business, as without mplaunch.
 """
 from __future__ import annotations
 
@@ -8,13 +11,13 @@ import sys
 
 
 def install_hook() -> None:
-    """Make init_process_group("env://") join the store the parent already hosts.
+    """Make init_process_group's env:// and tcp:// join the store the parent hosts.
 
-    Left alone, torch's env:// handler makes rank 0 start a store server on
-    MASTER_PORT, which the parent holds. torch's own agent-store switch
-    (TORCHELASTIC_USE_AGENT_STORE) would fix that but also turns every tcp:// and
-    user-created store into a client, which hangs; so only env:// pointing at our store is
-    redirected, and only when the rank's environment still names it.
+    Left alone, torch's handlers make rank 0 start a store server on MASTER_PORT, which
+    the parent holds. torch's own agent-store switch (TORCHELASTIC_USE_AGENT_STORE)
+    would fix that but also turns every tcp:// and user-created store into a client,
+    which hangs; so only a URL that names our store is redirected: env:// while the
+    rank's environment still names it, tcp:// to its address.
     """
     if "MPLAUNCH_STORE" not in os.environ:
         return
@@ -49,32 +52,95 @@ class _PatchOnImport:
 
 def _patch_rendezvous(mod) -> None:
     handlers = getattr(mod, "_rendezvous_handlers", None)
-    if handlers is None or "env" not in handlers or getattr(handlers["env"], "_mplaunch", 0):
+    if handlers is None:
         return
-    original = handlers["env"]
+    for scheme in ("env", "tcp"):
+        if scheme in handlers and not getattr(handlers[scheme], "_mplaunch", 0):
+            handlers[scheme] = _joining(scheme, handlers[scheme])
 
-    def env_handler(url, timeout=None, **kwargs):
+
+def _joining(scheme: str, original):
+    """torch's handler for `scheme`, joining mplaunch's store when the URL (tcp://) or
+    the environment (env://) names it, torch's own handler otherwise: a user's own
+    MASTER_ADDR/MASTER_PORT or tcp:// address gets its own store, as under torch.
+
+    torch puts ``rank=`` and ``world_size=`` of init_process_group into the URL's query
+    (``env://?rank=0&world_size=2``); frameworks (Lightning, accelerate) always pass them.
+    They are accepted when they agree with the rank's environment, and refused with both
+    values named when they do not (a wrong world size would otherwise wait for ranks that
+    never come)."""
+
+    def handler(url, timeout=None, **kwargs):
+        from urllib.parse import parse_qs, urlparse
+
         from . import collectives
         collectives.start()  # torch.distributed is being initialised
-        host, _, port = os.environ.get("MPLAUNCH_STORE", "").rpartition(":")
-        if (not host or os.environ.get("MASTER_ADDR") != host
-                or os.environ.get("MASTER_PORT") != port or "?" in url):
+        parsed = urlparse(url)
+        store_at = _our_store()
+        if scheme == "env":
+            names_ours = store_at is not None and _same_place(
+                (os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")),
+                store_at)
+        else:
+            names_ours = store_at is not None and _same_place(
+                (parsed.hostname or "", str(parsed.port or "")), store_at)
+        if not names_ours:
             kw = dict(kwargs)
             if timeout is not None:
                 kw["timeout"] = timeout
             yield from original(url, **kw)
             return
+        rank, world_size = _agreed(parse_qs(parsed.query), url)
         from torch.distributed import PrefixStore, TCPStore
-        rank = int(os.environ["RANK"])
-        world_size = int(os.environ["WORLD_SIZE"])
+        host, port = store_at
         kw = {} if timeout is None else {"timeout": timeout}
         store = TCPStore(host, int(port), world_size, False, **kw)
         # A key space per group: see pgroup (why a reused one hangs or resets).
         from .pgroup import next_key_space
         prefix = os.environ.get("MPLAUNCH_STORE_PREFIX", "") + next_key_space()
-        store = PrefixStore(prefix, store)
-        yield (store, rank, world_size)
-        raise RuntimeError("Unable to perform re-rendezvous using env:// method")
+        yield (PrefixStore(prefix, store), rank, world_size)
+        raise RuntimeError(f"Unable to perform re-rendezvous using {scheme}:// method")
 
-    env_handler._mplaunch = 1
-    handlers["env"] = env_handler
+    handler._mplaunch = 1
+    return handler
+
+
+def _our_store():
+    """(host, port) of the store the launching process holds, or None outside mplaunch."""
+    host, _, port = os.environ.get("MPLAUNCH_STORE", "").rpartition(":")
+    return (host, port) if host and port else None
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "ip6-localhost")
+
+
+def _same_place(at, store_at) -> bool:
+    """Whether `at` names the store: the same port, and the same host or both loopback
+    (the DDP tutorial writes MASTER_ADDR="localhost" where mplaunch wrote 127.0.0.1)."""
+    (host, port), (our_host, our_port) = at, store_at
+    if port != our_port:
+        return False
+    return host == our_host or (host in _LOOPBACK and our_host in _LOOPBACK)
+
+
+def _agreed(query: dict, url: str):
+    """(rank, world_size): the environment's, after checking what the caller passed."""
+    env = {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+    for key, ours in env.items():
+        given = query.get(key)
+        if not given:
+            continue
+        try:
+            value = int(given[-1])
+        except ValueError:
+            raise ValueError(f"init_process_group: {key}={given[-1]!r} in {url!r} is not "
+                             "an integer") from None
+        if value != ours:
+            where = "WORLD_SIZE" if key == "world_size" else "RANK"
+            raise ValueError(
+                f"init_process_group({key}={value}) contradicts this rank's environment: "
+                f"mplaunch started it with {where}={ours} "
+                f"(RANK={env['rank']}, WORLD_SIZE={env['world_size']}). Pass "
+                f"{key}=int(os.environ[{where!r}]), or leave {key} out and let env:// "
+                "read it; a different world needs a different nprocs (or nnodes).")
+    return env["rank"], env["world_size"]
