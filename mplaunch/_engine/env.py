@@ -67,8 +67,16 @@ def rank_env(*, base: Mapping[str, str], rank: int, local_rank: int, world_size:
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
         "RESTART_COUNT": str(restart_count),
+        # What torchrun sets and frameworks read to tell that a launcher made the ranks
+        # (docs/watcher.rst says which, and why the rest is left out). Lightning then
+        # takes RANK/WORLD_SIZE/GROUP_RANK from here (TorchElasticEnvironment): it
+        # checks devices x num_nodes against WORLD_SIZE, and unlike its own
+        # environment it leaves WORLD_SIZE in place at teardown, which a World's next
+        # call needs. The id is the store's address: the same on every node.
+        "TORCHELASTIC_RUN_ID": f"mplaunch-{master_addr}-{master_port}",
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        "ROLE_NAME": "default",
         "PYTHONUNBUFFERED": "1",
     })
     if store:
