@@ -25,10 +25,16 @@ class SpawnContext:
         self.handle = handle
 
     def pids(self) -> List[int]:
+        """The ranks' process ids, in rank order."""
         pids = self.handle.pids
         return [pids[r] for r in sorted(pids)]
 
-    def join(self, timeout: Optional[float] = None, grace_period: Optional[float] = None) -> bool:
+    def join(self, timeout: Optional[float] = None,
+             grace_period: Optional[float] = None) -> bool:
+        """True once every rank has returned; False if they still run after `timeout`
+        seconds (None: wait). A failed rank raises :class:`~mplaunch.WorkerError`, once
+        every rank is gone. `grace_period` is accepted for torch's signature: the
+        teardown after a failure already waits the launch's ``grace_period``."""
         if not self.handle.wait(timeout):
             return False
         self.handle.result()   # raises the first failure

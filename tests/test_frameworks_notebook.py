@@ -98,3 +98,32 @@ def test_lightning_and_accelerate_in_ranks_cells_keep_their_models(kernel_config
                                    "[rank1]: acc first 1 [0, 1]"]
     assert lines("accelerate-again") == ["[rank0]: acc kept [0, 1] True",
                                          "[rank1]: acc kept [0, 1] True"]
+
+
+def test_every_form_of_init_process_group_in_ranks_cells(kernel_config, tmp_path):
+    """%%ranks with no group of mplaunch's (--backend none): the user's cells set it up
+    in each of the forms of test_init_forms; then a group made as the DDP tutorial makes
+    it stays up across cells."""
+    from test_init_forms import ALL, expected, places
+    from test_notebook import _errors, _stream, run_cells
+    scripts = os.path.join(HERE, "scripts")
+    sources = {
+        "start": "%load_ext mplaunch\n%ranks start 2 --backend none",
+        "forms": (f"%%ranks\nimport sys\nsys.path.insert(0, {scripts!r})\n"
+                  "from init_forms import run_forms\n"
+                  f"print('forms', run_forms({ALL!r}, {places(tmp_path)!r}) == "
+                  f"{expected(ALL, 2)!r})"),
+        "tutorial": ("%%ranks\nimport os, torch, torch.distributed as dist\n"
+                     "dist.init_process_group('gloo', rank=int(os.environ['RANK']), "
+                     "world_size=int(os.environ['WORLD_SIZE']))"),
+        "later": ("%%ranks\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+                  "print('later', t.item())"),
+        "stop": "%ranks stop",
+    }
+    cells = run_cells(sources, kernel_config, tmp_path)
+    for name, cell in cells.items():
+        assert not _errors(cell), (name, cell.outputs)
+    assert sorted(_stream(cells["forms"]).splitlines()) == ["[rank0]: forms True",
+                                                            "[rank1]: forms True"]
+    assert sorted(_stream(cells["later"]).splitlines()) == ["[rank0]: later 2.0",
+                                                            "[rank1]: later 2.0"]
