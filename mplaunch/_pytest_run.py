@@ -6,7 +6,6 @@ behaviour users see.
 from __future__ import annotations
 
 import logging
-import pickle
 import sys
 
 import cloudpickle
@@ -18,9 +17,19 @@ from ._wire import pickler
 from ._rank.pytest_rank import _RankOutcome, _run_in_rank, _run_in_reused_rank
 from ._world import World
 from .errors import LaunchTimeout, MainProcessError, WorkerError
-from .pytest_plugin import _REUSED
 
 _log = logging.getLogger("mplaunch")
+
+
+# The session's reused worlds, in its config's stash (closed at the session's end).
+_REUSED = pytest.StashKey["_ReusedWorld"]()
+
+
+def close_reused(config) -> None:
+    """At the end of the session (pytest_plugin): end the worlds its tests reused."""
+    reused = config.stash.get(_REUSED, None)
+    if reused is not None:
+        reused.close()
 
 
 def _reused_world(config) -> "_ReusedWorld":

@@ -39,10 +39,6 @@ T = TypeVar("T")
 _open: "Set[World]" = set()
 
 
-def _setup_rank(backend: Optional[str]) -> None:
-    procgroup.setup(backend)   # made already when the rank's spec named it
-
-
 class World:
     """``nprocs`` ranks started once and kept up: ``run(func)`` calls ``func`` in every
     rank and returns the list of results, as :func:`mplaunch.launch` would, but the
@@ -73,7 +69,7 @@ class World:
             raise TypeError(f"heal must be True (keep the ranks through a failed run) or "
                             f"False (tear them down), got {heal!r}")
         self.heal = heal
-        self.cfg: LaunchConfig = validate(_setup_rank, (backend,), nprocs,
+        self.cfg: LaunchConfig = validate(procgroup.setup, (backend,), nprocs,
                                           dict(options, backend=backend))
         if self.cfg.nnodes > 1:
             raise ValueError("a World runs on one node; for several nodes use launch()")
@@ -185,9 +181,11 @@ class World:
         cfg = with_streams(self.cfg)
         stack = contextlib.ExitStack()
         try:
-            # The first "call" is the set-up (init_process_group): the ranks start from it.
+            # The first "call" is the set-up (init_process_group; nothing when the rank's
+            # spec made it already): the ranks start from it. Sent by reference to the
+            # rank's own module, so that loading it loads nothing of this side.
             session = stack.enter_context(
-                Session(cfg, dumps_payload(_setup_rank, (self.backend,), {})))
+                Session(cfg, dumps_payload(procgroup.setup, (self.backend,), {})))
             session.wait_server()
             attempt = Attempt(cfg, self._generation, session.specs(self._generation,
                                                                    serve=True),

@@ -53,6 +53,7 @@ random number generators' states as they were at its first test.
 from __future__ import annotations
 
 import functools
+import sys
 
 import pytest
 
@@ -60,7 +61,6 @@ import pytest
 # environment where mplaunch is installed. What a marked test needs (_pytest_run, and
 # through it launch, World and torch) is imported when one runs.
 
-_REUSED = pytest.StashKey["_ReusedWorld"]()
 
 _MARKER_HELP = (
     "mplaunch(nprocs=2, timeout=None, backend='gloo', reuse=False, **launch_kwargs): run "
@@ -92,9 +92,11 @@ def pytest_configure(config):
 
 
 def pytest_sessionfinish(session):
-    reused = session.config.stash.get(_REUSED, None)
-    if reused is not None:
-        reused.close()
+    # Only a marked test that ran imported _pytest_run; without one nothing was reused
+    # (and importing it here would cost every session the launching side).
+    run = sys.modules.get("mplaunch._pytest_run")
+    if run is not None:
+        run.close_reused(session.config)
 
 
 # -- sizes and GPUs (the parent's side of both is _pytest_sizes) -----------------------

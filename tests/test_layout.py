@@ -241,3 +241,109 @@ def test_a_ranks_children_rebuild_main_without_the_launching_side(tmp_path, cont
     assert "mplaunch._wire.mainmod" in loaded
     outside = [m for m in loaded if _layer(m) not in ("__init__", "_rank", "_wire", "errors")]
     assert not outside, outside
+
+
+def _import_graph() -> dict:
+    """module -> the mplaunch modules it imports, lazy (nested) imports included."""
+    return {module: {t for t in _imports(module, path) if t != module}
+            for module, path in _modules()}
+
+
+def _cycles(graph: dict) -> list:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, targets = work[-1]
+            for t in targets:
+                if t not in graph:
+                    continue
+                if t not in index:
+                    index[t] = low[t] = len(index)
+                    stack.append(t)
+                    on_stack.add(t)
+                    work.append((t, iter(sorted(graph[t]))))
+                    break
+                if t in on_stack:
+                    low[node] = min(low[node], index[t])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        m = stack.pop()
+                        on_stack.discard(m)
+                        component.append(m)
+                        if m == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+@no_torch
+def test_no_import_cycle_in_the_package():
+    cycles = _cycles(_import_graph())
+    assert not cycles, "import cycles (lazy imports count):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+@no_torch
+def test_the_cycle_finder_finds_a_cycle_through_a_lazy_import():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+# What a rank has loaded after running each front-end's payload: mplaunch's rank side
+# and wire only, and the server it was forked from. (start_method="fork" is left out:
+# there the rank is a fork of the launching process and has whatever it had.)
+RANK_SIDE = ("__init__", "_rank", "_wire", "errors", "_server")
+def _loaded():
+    import sys
+    return sorted(m for m in sys.modules if m == "mplaunch" or m.startswith("mplaunch."))
+
+
+def _launching_side(loaded):
+    return [m for m in loaded if _layer(m) not in RANK_SIDE]
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_the_payloads_of_launch_and_world_load_nothing_of_the_launching_side(start_method):
+    assert _launching_side(mplaunch.launch(_loaded, nprocs=1,
+                                           start_method=start_method)[0]) == []
+    with mplaunch.World(nprocs=2, start_method=start_method) as world:
+        world.run(lambda: None)
+        for loaded in world.run(_loaded):
+            assert "mplaunch._rank.serve" in loaded
+            assert _launching_side(loaded) == [], loaded
+
+
+def test_a_plugin_tests_ranks_load_nothing_of_the_launching_side(pytester):
+    pytester.makepyfile(f"""
+        import sys, pytest
+        LAYERS = ("__init__", "_rank", "_wire", "errors", "_server")
+
+        def outside():
+            loaded = [m for m in sys.modules if m.startswith("mplaunch.")]
+            return [m for m in loaded if m.split(".")[1] not in LAYERS]
+
+        @pytest.mark.mplaunch(nprocs=2)
+        def test_once():
+            assert outside() == []
+
+        @pytest.mark.mplaunch(nprocs=2, reuse=True)
+        def test_reused():
+            assert outside() == []
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=150)
+    result.assert_outcomes(passed=2)

@@ -358,7 +358,7 @@ def _run_script(target: str, kind: str):
     """Run a script (kind 'path') or module (kind 'module') as __main__, as `python
     script.py` would."""
     import runpy
-    from .._wire.mainmod import guard_script_children
+    from .script_main import guard_script_children
     guard_script_children()   # its DataLoader workers must not run it again
     if kind == "module":
         runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -25,7 +25,7 @@ Neither the rank nor its children ever run the user's script again: an unguarded
 
 A rank that runs a script itself (the `mplaunch` command) has no payload of definitions:
 its `__main__` is the script, still running when it starts children. There
-`guard_script_children` hooks multiprocessing's preparation data (computed in the rank
+`_rank.script_main.guard_script_children` hooks multiprocessing's preparation data (computed in the rank
 for every spawn or forkserver child): the child is told to run mplaunch/_mp_main.py
 instead of the script, and the classes and functions the script has defined so far are
 written, by value, where that reads them.
@@ -39,8 +39,7 @@ import sys
 import types
 
 __all__ = ["MAIN_NAMES", "ENV", "main_qualname", "main_attr", "MainGlobals",
-           "main_offset", "become_main", "publish", "fill_child_main",
-           "guard_script_children"]
+           "main_offset", "become_main", "publish", "fill_child_main"]
 
 # The names multiprocessing gives the main module (`__mp_main__` in its spawn and
 # forkserver children, where `__main__` is an alias of it).
@@ -177,58 +176,3 @@ def fill_child_main(namespace: dict) -> None:
     if part is not None:
         _, attrs, objects = part
         _fill(namespace, attrs, objects)
-
-
-
-def guard_script_children() -> None:
-    """In a rank about to run a script as `__main__`: its spawn and forkserver children
-    rebuild `__main__` from what the script has defined when they start, and never run
-    the script (see the module's docstring)."""
-    import multiprocessing.spawn as mp_spawn
-    original = mp_spawn.get_preparation_data
-    if getattr(original, "_mplaunch", False):
-        return
-    fd = os.memfd_create("mplaunch-main", os.MFD_CLOEXEC)  # open for the rank's life
-    os.environ[ENV] = publish(fd)
-
-    def get_preparation_data(name):
-        data = original(name)
-        if "init_main_from_path" in data or "init_main_from_name" in data:
-            data.pop("init_main_from_path", None)
-            data["init_main_from_name"] = CHILD_MAIN
-            _write_script_main(fd)
-        return data
-
-    get_preparation_data._mplaunch = True
-    mp_spawn.get_preparation_data = get_preparation_data
-
-
-def _write_script_main(fd: int) -> None:
-    """The classes and functions the running script's `__main__` has defined, by value,
-    in the layout fill_child_main reads (a pickle, then its offset: 0)."""
-    from . import payload
-    main = sys.modules["__main__"]
-    defined = {k: v for k, v in vars(main).items()
-               if isinstance(v, (type, types.FunctionType))
-               and getattr(v, "__module__", None) in MAIN_NAMES}
-    try:
-        data = payload.dumps_main_part(main, defined)
-    except Exception:  # noqa: BLE001 - send what pickles; say what does not
-        ok = {}
-        for key, value in defined.items():
-            try:
-                payload.dumps_main_part(main, {key: value})
-                ok[key] = value
-            except Exception as exc:  # noqa: BLE001
-                sys.stderr.write(
-                    f"[mplaunch] {key!r}, defined in the script, cannot be sent to the "
-                    f"processes this rank starts with spawn or forkserver ({exc}); they "
-                    f"rebuild __main__ from the rank instead of running the script again, "
-                    f"and will not find it there. Define it in a module the script "
-                    f"imports.\n")
-        data = payload.dumps_main_part(main, ok)
-    os.ftruncate(fd, 0)
-    view = memoryview(data + (0).to_bytes(8, "little"))
-    offset = 0
-    while offset < len(view):
-        offset += os.pwrite(fd, view[offset:], offset)
