@@ -56,6 +56,16 @@ class Attempt:
         self.signal_received = signo
         self.waker.wake()
 
+    @property
+    def stop_asked(self) -> bool:
+        """request_stop() was called (from any thread); the loop acts on it."""
+        return self._stop_asked
+
+    @property
+    def stop_grace(self) -> Optional[float]:
+        """The grace period request_stop() asked for (None: the launch's)."""
+        return self._stop_grace
+
     def request_stop(self, grace_period: Optional[float] = None) -> None:
         """From any thread: tear down as on a failure (Handle.stop, World.close)."""
         self._stop_grace = grace_period

@@ -9,6 +9,7 @@ from ``ranks`` and ``failures``.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import selectors
@@ -91,6 +92,25 @@ class RankGroup:
         while any(r.pid is None for r in self.ranks):
             self.spawner.pump()
 
+    def replace(self, local_rank: int, payload_fd: int) -> RankState:
+        """A fresh process for a dead rank, by the path that started it (a healing World:
+        _engine.serving); its first call is the payload in `payload_fd`. The old one's
+        last output is relayed and its fds closed. Returns once it has a pid."""
+        old = self.ranks[local_rank]
+        _relay_pending(old, end_line=False)   # all there is: the writer is dead
+        for fileobj in (old.reader.sock, old.out_fd, old.err_fd, old.stack_fd):
+            if fileobj is not None:
+                self._unregister(fileobj)
+        old.close()
+        # Its group comes from its first call (a rebuild in key space n with the others),
+        # not from the set-up that a spec's backend asks for (key space 0).
+        new = RankState(dataclasses.replace(self._specs[local_rank], backend=None))
+        self.ranks[local_rank] = new
+        self._start_one(new, payload_fd)
+        while new.pid is None and new.alive:
+            self.spawner.pump()
+        return new
+
     def _start_one(self, r: RankState, payload_fd: Optional[int] = None) -> None:
         child_fds = r.open(self.cfg, self.attempt,
                            self.payload_fd if payload_fd is None else payload_fd)
@@ -157,15 +177,7 @@ class RankGroup:
         streams it was called with, not to the next call's (the ranks flushed their
         streams before answering; the pipes may hold more than one read)."""
         for r in self.ranks:
-            for fd, relay in ((r.out_fd, r.out), (r.err_fd, r.err)):
-                if fd is None or relay is None:
-                    continue
-                while True:
-                    chunk = read_pipe(fd)
-                    if not chunk:
-                        break  # empty for now, or EOF (wait() unregisters it)
-                    relay.feed(chunk)
-                relay.end_line()
+            _relay_pending(r, end_line=True)
 
     def relay_to(self, stdout, stderr) -> None:
         """Relay the ranks' output to these streams from now on."""
@@ -331,3 +343,19 @@ class RankGroup:
         # result held by a rank's state) would live until the cycle collector runs.
         self.spawner.events = None
         self._sel.close()
+
+
+def _relay_pending(r: RankState, end_line: bool) -> None:
+    """Relay what a rank's pipes hold now (until a read finds them empty, or at EOF,
+    which wait() then unregisters); with `end_line`, a last line without its newline
+    too."""
+    for fd, relay in ((r.out_fd, r.out), (r.err_fd, r.err)):
+        if fd is None or relay is None:
+            continue
+        while True:
+            chunk = read_pipe(fd)
+            if not chunk:
+                break
+            relay.feed(chunk)
+        if end_line:
+            relay.end_line()

@@ -20,12 +20,11 @@ SIGINT, the deadline passed):
 
 A rank that dies is an answer too. SIGTERM/SIGHUP/SIGQUIT, a second SIGINT, or stop()
 tear down as today.
-What the World does once every rank has answered (compare the groups' sequence numbers,
-rebuild) is the World's business.
+What happens once every rank has answered (compare the groups' sequence numbers,
+rebuild, replace) is _engine.serving's.
 """
 from __future__ import annotations
 
-import dataclasses
 import signal
 import time
 from typing import Dict, List, Optional
@@ -33,7 +32,6 @@ from typing import Dict, List, Optional
 from .attempt import Attempt
 from .ending import Ending, EndKind
 from .group import RankGroup
-from .output import read_pipe
 from .ranks import RankState
 from .timeouts import collect_stacks
 
@@ -78,10 +76,10 @@ class CallDriver:
             now = time.monotonic()
             if self._take_signals():
                 break
-            if attempt._stop_asked:   # World.close() from another thread
+            if attempt.stop_asked:   # World.close() from another thread
                 attempt.early = Ending(EndKind.STOPPED,
                                        stopped=[r.spec.rank for r in group.ranks if r.alive])
-                group.stop(signal.SIGTERM, attempt._stop_grace)
+                group.stop(signal.SIGTERM, attempt.stop_grace)
                 break
             if deadline is not None and not attempt.timed_out and now >= deadline:
                 attempt.early = Ending(EndKind.TIMED_OUT, time_limit=timeout,
@@ -183,32 +181,6 @@ def _answered(r: RankState) -> bool:
 
 def _all_answered(group: RankGroup) -> bool:
     return all(_answered(r) for r in group.ranks)
-
-
-def replace_rank(group: RankGroup, local_rank: int, payload_fd: int) -> RankState:
-    """Start a fresh process for a dead rank of `group`, same spec; its first call is
-    the payload in `payload_fd`. The old one's output is relayed and its fds closed.
-    (The group's own starting machinery, used from here: only a healing World replaces
-    a rank.)"""
-    old = group.ranks[local_rank]
-    for fd, relay in ((old.out_fd, old.out), (old.err_fd, old.err)):
-        while fd is not None and relay is not None:
-            chunk = read_pipe(fd)
-            if not chunk:
-                break
-            relay.feed(chunk)
-    for fileobj in (old.reader.sock, old.out_fd, old.err_fd, old.stack_fd):
-        if fileobj is not None:
-            group._unregister(fileobj)
-    old.close()
-    # Its group comes from its first call (a rebuild in key space n with the others),
-    # not from the set-up that a spec's backend asks for (key space 0).
-    new = RankState(dataclasses.replace(group._specs[local_rank], backend=None))
-    group.ranks[local_rank] = new
-    group._start_one(new, payload_fd)
-    while new.pid is None and new.alive:
-        group.spawner.pump()
-    return new
 
 
 def what_was_kept(replaced: Dict[int, int], backend: Optional[str], released: bool,

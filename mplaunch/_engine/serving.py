@@ -1,0 +1,270 @@
+"""Serving: a World's engine, what Run is to launch(). Ranks started once that serve
+calls (_rank.serve) instead of running one function and exiting; each call driven to
+its replies by the loop launch() uses, so failures, timeouts, signals, output and
+teardown behave as for launch().
+
+A call that fails heals where it can (``heal=True``): CallDriver (_engine.heal) ends the
+call, not the ranks; then the ranks are brought back to a state they all agree on (a
+dead rank replaced on the spot, the process group rebuilt if a collective was left
+half-done) and the error raised says what was kept. What cannot be healed is torn down,
+and the next call starts fresh ranks. One call goes down from the front-end and comes
+back up once, with results or the error to raise.
+
+The rank-side functions a heal calls (the set-up, the group's state, the rebuild) live
+in _rank and are given by the front-end (RankCalls): this layer does not import the
+rank's side, and the ranks unpickle them by reference without loading this one.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional
+
+from . import servers, signals
+from .attempt import Attempt
+from .config import LaunchConfig, with_streams
+from .heal import CallDriver, consequences_last, what_was_kept
+from .outcome import error_for, results_or_raise
+from .session import Session
+from .timeouts import collect_stacks
+from .._wire import linux
+from .._wire.messages import RELEASE_SIGNAL
+from .._wire.payload import dumps_payload
+from .._wire.stacks import RankStacks
+from ..errors import MainProcessError
+
+log = logging.getLogger("mplaunch")
+
+
+@dataclass(frozen=True)
+class RankCalls:
+    """mplaunch's own calls in a World's ranks (functions of _rank, sent by reference):
+    ``setup(backend)`` first, ``group_state()`` after a failed call, ``rebuild(backend,
+    n)`` to make the process group again in key space n."""
+    setup: Callable
+    group_state: Callable
+    rebuild: Callable
+
+
+class Serving:
+    """The ranks of one World and the calls they serve. Not thread-safe: the front-end
+    runs one call at a time (``request_stop`` and ``stacks`` excepted)."""
+
+    def __init__(self, cfg: LaunchConfig, backend: Optional[str], heal: bool,
+                 calls: RankCalls):
+        self.cfg = cfg
+        self.backend = backend
+        self.heal = heal
+        self.calls = calls
+        self.attempt: Optional[Attempt] = None
+        self.fresh: List[int] = []    # the ranks that are fresh processes since the last call
+        self._stack: Optional[contextlib.ExitStack] = None
+        self._generation = 0          # how many times ranks were started
+
+    @property
+    def up(self) -> bool:
+        return self.attempt is not None
+
+    @property
+    def pids(self) -> Dict[int, int]:
+        attempt = self.attempt
+        return attempt.group.pids if attempt is not None else {}
+
+    def stacks(self) -> RankStacks:
+        """From any thread: where each rank is now."""
+        attempt = self.attempt
+        return RankStacks(collect_stacks(attempt.group) if attempt is not None else {})
+
+    def request_stop(self) -> None:
+        """From another thread: the call in progress tears down and raises."""
+        attempt = self.attempt
+        if attempt is not None:
+            attempt.request_stop()
+
+    # -- the ranks -------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the ranks; returns once each has run the set-up (init_process_group)."""
+        if self.attempt is not None:
+            return
+        cfg = with_streams(self.cfg)
+        stack = contextlib.ExitStack()
+        try:
+            # The first "call" is the set-up: the ranks start from it.
+            session = stack.enter_context(
+                Session(cfg, dumps_payload(self.calls.setup, (self.backend,), {})))
+            session.wait_server()
+            attempt = Attempt(cfg, self._generation,
+                              session.specs(self._generation, serve=True),
+                              session.payload_fd, session.waker)
+            self._generation += 1
+            stack.callback(attempt.group.close)
+            attempt.group.start()
+        except BaseException:
+            stack.close()
+            raise
+        self.attempt, self._stack = attempt, stack
+        self._wait_replies(None)   # every rank has run its set-up
+
+    def stop(self) -> None:
+        """End every rank (SIGTERM, then SIGKILL after the grace period) and the session.
+        Idempotent; the next call starts fresh ranks."""
+        attempt, stack = self.attempt, self._stack
+        self.attempt = self._stack = None
+        if attempt is None:
+            return
+        self.fresh = [self.cfg.global_rank(i) for i in range(self.cfg.nprocs)]
+        try:
+            attempt.group.stop()
+            attempt.drive()
+        finally:
+            stack.close()            # the group, then the session
+
+    # -- a call ----------------------------------------------------------------------
+    def call(self, payload: bytes, timeout: Optional[float]) -> list:
+        """Every rank's result of `payload`, or raise what launch() would (healed first
+        where it can be, ``err.healed`` saying what was kept)."""
+        self.start()
+        self.fresh = []
+        attempt = self._send(payload)
+        if not self.heal:
+            return self._wait_replies(timeout)
+        group = attempt.group
+        driver = CallDriver(attempt, RELEASE_SIGNAL)
+        group.heal = True
+        try:
+            self._driven(driver.on_signal, lambda: driver.drive(timeout))
+        finally:
+            group.heal = False
+        if group.stopping or not group.running:
+            return self._torn_down()
+        group.relay_written()
+        if not (group.failures or attempt.timed_out or driver.interrupted):
+            return [r.result for r in group.ranks]
+        consequences_last(group.failures)
+        error = (KeyboardInterrupt() if driver.interrupted and not attempt.timed_out
+                 else error_for(attempt, attempt.ending))
+        _forget_failures(attempt)
+        kept = self._settle(driver.released)
+        if isinstance(error, KeyboardInterrupt):
+            error.args = (f"mplaunch.World: the ranks were interrupted; {kept}",)
+        else:
+            error.healed = kept
+        raise error
+
+    def _send(self, payload: bytes) -> Attempt:
+        attempt = self.attempt
+        assert attempt is not None
+        attempt.group.relay_to(sys.stdout, sys.stderr)
+        with _payload_fd(payload) as fd:
+            try:
+                attempt.group.call(fd)
+            except OSError:
+                pass  # a rank is gone: the loop finds out which, and why
+        return attempt
+
+    def _driven(self, on_signal, drive: Callable[[], None]) -> None:
+        """Run `drive` with signals to this process forwarded to `on_signal`; whatever
+        it raises tears the ranks down first."""
+        try:
+            with signals.forwarding(on_signal, warn=False):
+                drive()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_replies(self, timeout: Optional[float], quiet: bool = False) -> list:
+        attempt = self.attempt
+        assert attempt is not None
+        group = attempt.group
+        self._driven(attempt.on_signal, lambda: attempt.drive(
+            until=lambda: group.replied and not group.stopping, timeout=timeout))
+        if group.running and not group.stopping:
+            group.relay_written()
+            return [r.result for r in group.ranks]
+        return self._torn_down(quiet)
+
+    def _torn_down(self, quiet: bool = False) -> list:
+        attempt = self.attempt
+        self.stop()
+        if not quiet:
+            log.warning("mplaunch.World: the failed call tore the world's %d ranks down; "
+                        "the next call starts fresh ranks", self.cfg.nprocs)
+        return results_or_raise(attempt)
+
+    # -- healing ---------------------------------------------------------------------
+    def _settle(self, released: bool) -> str:
+        """Bring the ranks back to a state all agree on, after a failed call every rank
+        answered (or died): replace the dead ones, rebuild the process group if the
+        ranks disagree about it; what the world kept, said for the error."""
+        group = self.attempt.group
+        dead = [r.local_rank for r in group.ranks if not r.alive]
+        live = [r for r in group.ranks if r.alive]
+        try:
+            states = self._control(self.calls.group_state, (), live)
+            inited = [s for s in states if s["initialized"]]
+            seqs = {s["seq"] for s in inited}
+            if not (dead or released or (inited and len(inited) != len(states))
+                    or len(seqs) > 1):
+                return ("the world was kept: its ranks, their state and their process "
+                        "group are as the failed run left them")
+            backends = {s["backend"] for s in inited}
+            backend = backends.pop() if len(backends) == 1 else self.backend
+            n = max(s["incarnation"] for s in states)
+            stale = self._rebuild(backend, n, dead, live)
+        except (KeyboardInterrupt, MainProcessError):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - whatever it was, it cannot be healed
+            self.stop()
+            return (f"the world could not be healed ({type(exc).__name__}: {exc}) and was "
+                    "torn down; the next run starts fresh ranks")
+        self.fresh = [group.ranks[i].spec.rank for i in dead]
+        pids = {group.ranks[i].spec.rank: group.ranks[i].pid for i in dead}
+        return what_was_kept(pids, backend, released, stale)
+
+    def _rebuild(self, backend, n: int, dead: List[int], live) -> list:
+        """Start a fresh process for each dead rank and build the group again in every
+        rank (key space `n`); each live rank's names of stale objects."""
+        group = self.attempt.group
+        with _payload_fd(dumps_payload(self.calls.rebuild, (backend, n), {})) as fd:
+            # The fresh ranks first: a fork (start_method="fork") of this process while
+            # its store serves the others' rendezvous could inherit a lock held.
+            for i in dead:
+                group.replace(i, fd)
+            group.call(fd, live)
+        return self._wait_replies(max(30.0, self.cfg.grace_period), quiet=True)
+
+    def _control(self, func, args, ranks) -> list:
+        """A call of mplaunch's own in these ranks; torn down and raised if it fails."""
+        attempt = self.attempt
+        group = attempt.group
+        with _payload_fd(dumps_payload(func, args, {})) as fd:
+            group.call(fd, ranks)
+        self._driven(attempt.on_signal, lambda: attempt.drive(
+            until=lambda: all(r.has_result for r in ranks) or group.stopping))
+        if group.stopping or not all(r.has_result for r in ranks):
+            self.stop()
+            results_or_raise(attempt)    # raises what stopped it
+            raise RuntimeError("a rank did not answer mplaunch's own call")
+        return [r.result for r in ranks]
+
+
+@contextlib.contextmanager
+def _payload_fd(payload: bytes) -> Iterator[int]:
+    """A memfd holding `payload` for the ranks; closed once they have their copies."""
+    fd = linux.memfd_with(payload, "mplaunch-payload")
+    try:
+        yield fd
+    finally:
+        servers.close_fd(fd)
+
+
+def _forget_failures(attempt: Attempt) -> None:
+    """The world goes on: the next call starts with nothing failed."""
+    group = attempt.group
+    group.failures = []
+    for r in group.ranks:
+        r.error = None
+    attempt.early = None
+    attempt.signal_received = None
