@@ -8,12 +8,16 @@ import sys
 from typing import List, Optional
 
 from .._engine.config import node_layout
+from .._engine.screen import lines_above
 
 def say(text: str) -> None:
     lines = text.rstrip("\n").split("\n")
     try:
-        sys.stderr.write("".join(f"mplaunch: {line}\n" for line in lines))
-        sys.stderr.flush()
+        # A rank's progress bar may be drawn (SIGUSR1 comes while ranks run): the
+        # message goes on lines of its own, not after the bar.
+        with lines_above():
+            sys.stderr.write("".join(f"mplaunch: {line}\n" for line in lines))
+            sys.stderr.flush()
     except (OSError, ValueError):
         pass
 

@@ -4,8 +4,13 @@ cell), copied to per-rank log files, and the end of stderr kept for error messag
 
 Only whole lines reach the sink, each in one write together with its prefix, so lines
 of different ranks never mix. A progress bar that redraws its line after ``\\r`` is
-shown in place: its latest state is written as ``prefix + state + "\\r"``, and when its
-line ends, the final state is written once more as an ordinary line.
+shown in place: on a terminal its latest state is written as ``prefix + state + "\\r"``,
+elsewhere (a log file, a pipe) as ``"\\r" + prefix + state`` after the one before, and
+when its line ends, the final state is written once more as an ordinary line (unless
+it is there already). Before any other line is written to the same place, a drawn bar
+is taken off a terminal and drawn again under that line; elsewhere the bar's line is
+ended where it stands, since a file keeps what a ``\\r`` only seems to clear: the next
+line would be written at the end of the bar's.
 
 Ranks share a terminal (stdout and stderr of every rank end on the same screen), and a
 terminal line can show one thing at a time. So one relay at a time draws an open line
@@ -21,7 +26,8 @@ import os
 import weakref
 from typing import Optional
 
-from .screen import MAX_PENDING as _MAX_PENDING, OpenLine, screen_for as _screen_for
+from .screen import (LOCK as _LOCK, MAX_PENDING as _MAX_PENDING, OpenLine,
+                     screen_for as _screen_for)
 
 _TAIL_BYTES = 256 * 1024
 # Small enough that every object made from one read stays under malloc's mmap
@@ -75,6 +81,7 @@ class StreamRelay(OpenLine):
         self._progress = False
         self._state = b""
         self._drawn = None
+        self._open = False
         self._screen = None
         if sink is not None:
             self._screen = _screen_for(sink)
@@ -96,6 +103,10 @@ class StreamRelay(OpenLine):
     def feed(self, data: bytes) -> None:
         if not data:
             return
+        with _LOCK:
+            self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
         if self.logfile is not None:
             self.logfile.write(data)
         if self.keep_tail:
@@ -167,7 +178,8 @@ class StreamRelay(OpenLine):
                         break
             elif line:
                 state = line
-            out.append(p + state + b"\n")
+            if not self._ended_as(state):
+                out.append(p + state + b"\n")
             self._progress, self._state, self._drawn = False, b"", None
         if last:
             self._progress = True
@@ -177,6 +189,8 @@ class StreamRelay(OpenLine):
                     break
         if out:
             self._write(b"".join(out))
+        elif not self._progress:
+            self._release()
 
     def _split_long_line(self) -> None:
         # Memory stays bounded for output that never ends its line; the pieces are
@@ -199,7 +213,12 @@ class StreamRelay(OpenLine):
         if owner is None:
             self._put(out)
         elif owner is self:
-            self._put(b"\r\x1b[K" + out if screen.ansi else out)
+            if screen.ansi:
+                self._put(b"\r\x1b[K" + out)
+            else:
+                # The lines end ours: the first is its final state, after the last drawn.
+                self._put(b"\r" + out if self._open else out)
+                self._open = False
             if not self._progress:
                 self._release()
         else:
@@ -211,6 +230,8 @@ class StreamRelay(OpenLine):
         if not out:
             return
         sink = self.sink
+        if self._screen is not None:
+            self._screen.switch_to(sink)
         try:
             raw = self._bytes
             if raw is not None and out.isascii():
@@ -233,12 +254,17 @@ class StreamRelay(OpenLine):
                 sink.write(text.encode(enc, "backslashreplace").decode(enc))
         except Exception:  # noqa: BLE001 - a closed or broken sink must not stop the launch
             self.sink = self._bytes = None
+            self._open = False
             if self._screen is not None and self._screen.owner is self:
                 self._screen.owner = None
 
     def end_line(self) -> None:
         """A line left open (no newline yet, or a progress bar) is written as a line:
         at the end of the stream, or of a World's call."""
+        with _LOCK:
+            self._end_line()
+
+    def _end_line(self) -> None:
         if self.sink is not None:
             if self._shown is not None:
                 self._put(bytes(self._pending)[len(self._shown):] + b"\n")
@@ -246,10 +272,10 @@ class StreamRelay(OpenLine):
                 self._shown = None
             last = bytes(self._pending) or (self._state if self._progress else b"")
             self._progress = False
-            if last:
+            if last and not self._ended_as(last):
                 self._write(self.prefix + last + b"\n")
         self._pending = bytearray()
-        self._progress, self._state, self._drawn = False, b"", None
+        self._progress, self._state, self._drawn, self._open = False, b"", None, False
         self._leave_screen()
 
     def close(self) -> None:

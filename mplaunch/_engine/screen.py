@@ -2,13 +2,30 @@
 relay at a time draws a line there that has not ended (a progress bar redrawn after
 ``\\r``, or a prompt waiting for input); the others' bars wait their turn, and whole lines
 of any relay go above it. StreamRelay (_engine.output) inherits this part as OpenLine.
+
+A file, a pipe, pytest's capture or a notebook's stream is drawn on the same way, except
+that nothing can be erased there: a bar's line is ended (``\\n``) where it stands before
+anything else is written, and the bar goes on, on a line of its own, when it next
+changes. Leaving the line open and relying on ``\\r``, as on a terminal, put the next
+rank's line at the end of the bar's in a log file. Where sys.stdout and sys.stderr go to
+one file (``> log 2>&1``), that is one screen, as a terminal is: a line on stdout ends a
+bar on stderr too, and each stream's buffer is flushed before the other is written.
+mplaunch's own messages go through lines_above(), for the same reason.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import threading
 import weakref
 
 MAX_PENDING = 1 << 20  # a "line" longer than this is relayed in pieces
+
+# Held while a relay writes, and around lines_above(): the relays are fed by the thread
+# that drives a launch, and a message of mplaunch's own may come from another (the
+# watcher's SIGUSR1 report) while a relay is between drawing a bar and ending its line.
+LOCK = threading.RLock()
 
 
 def whole_chars(buf: bytes) -> bytes:
@@ -36,6 +53,7 @@ class _Screen:
         self.ansi = ansi
         self.relays: list = []   # weak references, in the order the relays were made
         self._owner = None
+        self.last = None         # the sink written last (see switch_to)
 
     @property
     def owner(self):
@@ -44,6 +62,21 @@ class _Screen:
     @owner.setter
     def owner(self, relay) -> None:
         self._owner = weakref.ref(relay) if relay is not None else None
+
+    def switch_to(self, sink) -> None:
+        """`sink` is written next. Where two objects write to one file (sys.stdout and
+        sys.stderr of ``> log 2>&1``), what the other holds in its buffer goes out
+        first: the file gets the lines in the order they were written."""
+        if self.last is not sink:
+            self.flush()
+            self.last = sink
+
+    def flush(self) -> None:
+        if self.last is not None:
+            try:
+                self.last.flush()
+            except Exception:  # noqa: BLE001 - a closed sink: nothing of ours is in it
+                self.last = None
 
 
 _screens: dict = {}
@@ -55,6 +88,11 @@ def screen_for(sink) -> _Screen:
         if sink.isatty():
             # stdout and stderr (and any other object) on the same terminal: one screen.
             key, tty = ("tty", os.fstat(sink.fileno()).st_rdev), True
+        elif isinstance(sink, io.TextIOWrapper):
+            # The same for one file or pipe. Only for a wrapper whose writes go to its
+            # fd: a notebook's stream has a fileno() too, of another destination.
+            st = os.fstat(sink.fileno())
+            key = ("file", st.st_dev, st.st_ino)
     except (AttributeError, OSError, ValueError):
         pass
     screen = _screens.get(key)
@@ -63,11 +101,34 @@ def screen_for(sink) -> _Screen:
     return screen
 
 
+@contextlib.contextmanager
+def lines_above():
+    """Around a message of mplaunch's own, written to stdout or stderr outside the
+    relays: every drawn open line is taken off first (or ended, where nothing can be
+    erased), and what the relays wrote is flushed, so that the message starts a line
+    of its own; the open lines are drawn again after it."""
+    with LOCK:
+        hidden = []
+        for screen in list(_screens.values()):
+            owner = screen.owner
+            if owner is not None and owner.sink is not None:
+                owner._hide()
+                hidden.append(owner)
+            screen.flush()
+        try:
+            yield
+        finally:
+            for owner in hidden:
+                if owner._screen is not None and owner.sink is not None:
+                    owner._redraw()
+
+
 class OpenLine:
     """The open-line half of a StreamRelay: its methods use the relay's ``prefix``,
     ``sink``, ``_screen``, ``_pending`` (the line being received), ``_progress``,
-    ``_state``, ``_drawn`` (the bar's latest state and what of it is drawn), ``_shown``
-    (what of a prompt is shown), ``_prompts`` and ``_put``."""
+    ``_state``, ``_drawn`` (the bar's latest state and what of it is drawn), ``_open``
+    (where nothing can be erased: whether what is drawn is still the sink's last line,
+    not ended), ``_shown`` (what of a prompt is shown), ``_prompts`` and ``_put``."""
 
     @property
     def is_terminal(self) -> bool:
@@ -104,21 +165,39 @@ class OpenLine:
         elif owner is not self:
             return  # another rank's bar or prompt is drawn; ours waits its turn
         self._drawn = now
-        # With erase-to-end, a shorter state leaves nothing of the longer one behind it.
-        self._put(self.prefix + now + (b"\x1b[K\r" if screen.ansi else b"\r"))
+        if screen.ansi:
+            # With erase-to-end, a shorter state leaves nothing of the longer one behind.
+            self._put(self.prefix + now + b"\x1b[K\r")
+        else:
+            # The \r goes before the next state, not after this one: the line is open
+            # until it is ended with \n, never left looking ended (see _hide).
+            self._put((b"\r" if self._open else b"") + self.prefix + now)
+            self._open = True
 
     # -- the screen's open line ------------------------------------------------------
     def _hide(self) -> None:
-        """Take our drawn line off the screen; the cursor is left at its start."""
+        """Take our drawn line off the screen; the cursor is left at its start. Where
+        nothing can be erased, end it where it stands: the bar's state stays in the file
+        on its own line, and what comes next starts a line."""
         if self._screen.ansi:
             self._put(b"\r\x1b[K")
+        elif self._open:
+            self._open = False
+            self._put(b"\n")
+
+    def _ended_as(self, state: bytes) -> bool:
+        """Whether `state` is already in the sink as a whole line: our bar, ended by
+        _hide where nothing can be erased, has not changed since."""
+        return (not self._open and state == self._drawn and self._screen is not None
+                and not self._screen.ansi)
 
     def _redraw(self) -> None:
+        if not self._screen.ansi:
+            return  # its line was ended; it is drawn again on a new one when it changes
         if self._shown is not None:
             self._put(self.prefix + self._shown)
         elif self._drawn is not None:
-            self._put(self.prefix + self._drawn + (b"\x1b[K\r" if self._screen.ansi
-                                                   else b"\r"))
+            self._put(self.prefix + self._drawn + b"\x1b[K\r")
 
     def _release(self) -> None:
         """Our open line has ended: the first other relay with a bar open draws it."""
