@@ -172,6 +172,10 @@ def test_transformers_trainer_under_the_watcher(tmp_path):
     for rank, text in done.items():
         assert f"'rank': {rank}, 'world': 2, 'steps': 4" in text
         assert "DISTRIBUTED" in text
+    # Its tqdm bar (redrawn with \r) went to a pipe: each line is one rank's
+    for line in (proc.stdout + proc.stderr).splitlines():
+        owners = {seg.split(": ", 1)[0] for seg in line.split("\r") if seg}
+        assert len(owners) <= 1, repr(line)
 
 
 def _transformers_train(out):
