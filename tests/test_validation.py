@@ -209,6 +209,24 @@ def test_log_dir_that_is_a_file_or_unwritable(refuses, tmp_path):
         locked.chmod(0o700)
 
 
+@pytest.mark.parametrize("where", ["/proc/mplaunch-logs", "/proc/self/mplaunch-logs",
+                                   "/sys/mplaunch-logs/run"])
+def test_log_dir_where_folders_cannot_be_made_is_refused_before_anything_starts(
+        refuses, where):
+    """/proc passes every permission check for root, then fails at the first mkdir: that
+    used to be a raw FileNotFoundError after the ranks had been forked."""
+    refuses(ValueError, "log_dir .* (cannot hold the ranks' log folders|is not writable)",
+            log_dir=where)
+    assert not os.path.exists(where)
+
+
+def test_log_dir_is_made_by_the_check_and_holds_no_probe(tmp_path):
+    from mplaunch._engine.checks import log_dir
+    target = tmp_path / "a" / "b"
+    assert log_dir(str(target)) == str(target)
+    assert target.is_dir() and list(target.iterdir()) == []
+
+
 # -- pickling ----------------------------------------------------------------------------
 
 def test_unpicklable_argument_is_named(refuses):

@@ -6,6 +6,7 @@ config) calls them before any process starts.
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Optional, Tuple
 
 MAX_NPROCS_ENV = "MPLAUNCH_MAX_NPROCS"
@@ -52,7 +53,9 @@ def check_nprocs_limit(nprocs: int) -> None:
 
 def log_dir(log_dir) -> Optional[str]:
     """A directory that exists and is writable, or can be created: checked now, before
-    the server or any rank starts (nothing is created yet)."""
+    the server or any rank starts, by making it (as the ranks would) and a folder in it
+    (removed at once). Where folders cannot be made (under /proc, /sys, a read-only
+    mount), permission bits say nothing, and root passes every access() check."""
     if log_dir is None:
         return None
     if not isinstance(log_dir, (str, os.PathLike)):
@@ -72,6 +75,13 @@ def log_dir(log_dir) -> Optional[str]:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"log_dir {path!r} is not writable: this process may not write "
                          f"in {existing!r}; name a directory it may write in")
+    try:
+        os.makedirs(path, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".mplaunch-probe-", dir=path))
+    except OSError as exc:
+        raise ValueError(f"log_dir {path!r} cannot hold the ranks' log folders: making "
+                         f"one there failed ({exc.strerror or exc}); name a directory "
+                         "on a writable file system") from None
     return path
 
 
