@@ -35,11 +35,7 @@ def _close_parent_only_fds_in_child() -> None:
             sock.close()
         except OSError:
             pass
-    for fd in list(_parent_only_fds):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    linux.close_quiet(*_parent_only_fds)
     _parent_only_fds.clear()
     _servers.clear()
 
@@ -63,10 +59,7 @@ def disown_fd(fd: int) -> None:
 
 def close_fd(fd: int) -> None:
     _parent_only_fds.discard(fd)
-    try:
-        os.close(fd)
-    except OSError:
-        pass
+    linux.close_quiet(fd)
 
 
 class ServerError(RuntimeError):

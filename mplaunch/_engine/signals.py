@@ -13,6 +13,8 @@ import select
 import signal
 import threading
 
+from .._wire.linux import close_quiet
+
 log = logging.getLogger("mplaunch")
 
 FORWARDED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
@@ -71,8 +73,4 @@ class Waker:
         self.drain()
 
     def close(self) -> None:
-        for fd in (self.r, self.w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        close_quiet(self.r, self.w)

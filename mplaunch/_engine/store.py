@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
 import socket
 from datetime import timedelta
+
+from .._wire.linux import close_quiet
 
 
 def _bind(addr: str, port: int) -> socket.socket:
@@ -87,10 +88,7 @@ def hosted(cfg, connect_timeout: float = 300.0):
                          timeout=timedelta(seconds=connect_timeout),
                          wait_for_workers=False, master_listen_fd=fd)
     except BaseException:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+        close_quiet(fd)
         raise
     hosted_ = Hosted(cfg.master_addr, port, store)
     del store

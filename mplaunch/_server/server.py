@@ -183,14 +183,10 @@ class Server:
         """In a freshly forked child: drop the server's signal handling and fds."""
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for fd in [self.lifeline.fileno(), self._wake_r, self._wake_w,
-                   *(l.sock.fileno() for l in self.launches.values()),
-                   *(z.fileno() for _, z in self.pool)]:
-            if fd not in keep:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        linux.close_quiet(*(fd for fd in [self.lifeline.fileno(), self._wake_r, self._wake_w,
+                                         *(l.sock.fileno() for l in self.launches.values()),
+                                         *(z.fileno() for _, z in self.pool)]
+                            if fd not in keep))
 
     def _zygote(self, sock) -> None:
         """An idle pre-forked child: wait for a rank to become, or for EOF."""

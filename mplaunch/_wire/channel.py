@@ -14,6 +14,8 @@ import pickle
 import socket
 import struct
 
+from .linux import close_quiet
+
 _HEADER = struct.Struct("!QQ")
 
 # The fds a rank is started with, in the order they travel with a start request. The
@@ -140,10 +142,6 @@ class FramedReader:
         return bool(self._buf)
 
     def close(self) -> None:
-        for fd in self._fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        close_quiet(*self._fds)
         self._fds = []
         self.sock.close()

@@ -89,6 +89,19 @@ def describe_status(status: int):
     return None, None
 
 
+def close_quiet(*fds: int) -> int:
+    """Close each fd; one that is closed already (or never was open) is not an error.
+    Returns how many were closed."""
+    closed = 0
+    for fd in fds:
+        try:
+            os.close(fd)
+            closed += 1
+        except OSError:
+            pass
+    return closed
+
+
 def killpg_quiet(pgid: int, signo: int) -> None:
     try:
         os.killpg(pgid, signo)
