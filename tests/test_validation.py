@@ -294,3 +294,16 @@ def test_unknown_keyword_of_start_and_world_says_what_was_meant(refuses):
         mplaunch.start(ok, (), 2, timout=3)
     with pytest.raises(TypeError, match="did you mean 'grace_period'"):
         mplaunch.World(2, grace_perod=3)
+
+
+@pytest.mark.no_torch
+def test_launchs_keyword_defaults_are_the_engines():
+    """launch()'s signature is where users read the defaults, OPTION_DEFAULTS is what
+    start(), World and the command fill in: they must say the same."""
+    import inspect
+
+    from mplaunch._engine.config import OPTION_DEFAULTS
+    params = inspect.signature(mplaunch.launch).parameters
+    keywords = {name: p.default for name, p in params.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert keywords == OPTION_DEFAULTS
