@@ -347,3 +347,28 @@ def test_a_plugin_tests_ranks_load_nothing_of_the_launching_side(pytester):
     """)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=150)
     result.assert_outcomes(passed=2)
+
+
+@no_torch
+def test_the_interrupt_guard_knows_mplaunchs_plumbing_by_the_modules_own_word():
+    """A healing World's SIGINT is dropped in mplaunch's own frames: the modules say so
+    themselves (a rename cannot silently break it), and user code is not among them."""
+    import importlib
+    import types
+
+    from mplaunch._rank import serve
+    plumbing = ["mplaunch._rank.serve", "mplaunch._rank.worker", "mplaunch._rank.streams",
+                "mplaunch._wire.channel", "mplaunch._wire.linux", "mplaunch._wire.messages"]
+    for name in plumbing:
+        assert getattr(importlib.import_module(name), serve.PLUMBING, False) is True, name
+
+    def frame_in(namespace):
+        code = compile("import sys\nframe = sys._getframe()", "<x>", "exec")
+        exec(code, namespace)
+        return namespace["frame"]
+
+    serve._on_sigint(2, frame_in(dict(vars(importlib.import_module(plumbing[1])))))
+    with pytest.raises(KeyboardInterrupt):
+        serve._on_sigint(2, frame_in({"__name__": "__main__"}))
+    with pytest.raises(KeyboardInterrupt):
+        serve._on_sigint(2, frame_in(dict(vars(types))))

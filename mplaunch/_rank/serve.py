@@ -53,16 +53,17 @@ def _next_call(sock: socket.socket) -> Optional[int]:
     return fds[0]
 
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_WIRE = os.path.join(os.path.dirname(_HERE), "_wire")
-_PLUMBING = {os.path.join(_HERE, name) for name in ("serve.py", "worker.py", "streams.py")}
-_PLUMBING |= {os.path.join(_WIRE, name) for name in ("channel.py", "linux.py",
-                                                     "messages.py")}
+# This module is plumbing: see PLUMBING.
+__mplaunch_plumbing__ = True
+PLUMBING = "__mplaunch_plumbing__"
+"""The global that marks a module as mplaunch's own plumbing (this one, worker, streams,
+_wire.channel, linux, messages): an interrupt that lands in one of its frames is dropped.
+Each module says so itself, so moving or renaming one keeps the guard true."""
 
 
 def _on_sigint(signo, frame) -> None:
     # In our frames the interrupt is dropped; the World sends it again until the rank
     # answers, so one that lands in user code a moment later still interrupts it.
-    if frame is not None and frame.f_code.co_filename in _PLUMBING:
+    if frame is not None and frame.f_globals.get(PLUMBING):
         return
     raise KeyboardInterrupt

@@ -20,6 +20,9 @@ import sys
 
 from .._wire import linux
 
+# mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.serve)
+__mplaunch_plumbing__ = True
+
 
 class _TerminalPipe(io.FileIO):
     """A pipe whose far end (the launching process's relay) writes to a terminal.

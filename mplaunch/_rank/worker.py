@@ -24,6 +24,9 @@ from .._wire.exceptions import pack_exception
 from .._wire.messages import (EXIT_CHANNEL_CLOSED, EXIT_ERROR, EXIT_PARENT_GONE,
                               MESSAGE_TAG, RESULT_TAG, STACK_SIGNAL, Raised, Returned)
 
+# mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.serve)
+__mplaunch_plumbing__ = True
+
 
 class _ChannelClosed(Exception):
     """The rank closed (or replaced) the fd of its result channel: nothing can reach

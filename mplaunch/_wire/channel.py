@@ -16,6 +16,9 @@ import struct
 
 from .linux import close_quiet
 
+# mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.serve)
+__mplaunch_plumbing__ = True
+
 _HEADER = struct.Struct("!QQ")
 
 # The fds a rank is started with, in the order they travel with a start request. The

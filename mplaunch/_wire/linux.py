@@ -7,6 +7,9 @@ import os
 import signal
 import time
 
+# mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.serve)
+__mplaunch_plumbing__ = True
+
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 PR_GET_CHILD_SUBREAPER = 37

@@ -28,6 +28,9 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from .spec import RankSpec
 
+# mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.serve)
+__mplaunch_plumbing__ = True
+
 # Sent by the launching process to ask a rank for its Python stack: faulthandler answers
 # it at C level, even while the rank is blocked inside a gloo collective.
 STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
