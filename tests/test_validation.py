@@ -115,7 +115,8 @@ def test_unknown_start_method(refuses, method):
 
 def test_fork_refused_once_cuda_is_initialised(refuses, monkeypatch):
     pytest.importorskip("torch")  # launches ranks
-    monkeypatch.setattr(_procs, "cuda_initialized", lambda: True)
+    from mplaunch._engine import config
+    monkeypatch.setattr(config, "cuda_initialized", lambda: True)
     err = refuses(RuntimeError, "start_method='fork' is refused: CUDA",
                   start_method="fork")
     assert "forkserver" in str(err) and "spawn" in str(err)

@@ -6,6 +6,7 @@ config) calls them before any process starts.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from typing import Optional, Tuple
 
@@ -116,3 +117,14 @@ def working_directory() -> str:
             "no longer exists (it was deleted). Each rank starts in the caller's working "
             "directory, and torch cannot even be imported in a deleted one. os.chdir() "
             "to a directory that exists, then launch again") from None
+
+
+def cuda_initialized() -> bool:
+    """Whether this process has initialised CUDA (without importing torch to ask)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return bool(torch.cuda.is_initialized())
+    except Exception:  # noqa: BLE001
+        return False

@@ -17,8 +17,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
-from . import devices, servers
-from .checks import check_backend, check_nprocs_limit, log_dir, working_directory
+from . import devices
+from .checks import (check_backend, check_nprocs_limit, cuda_initialized, log_dir,
+                     working_directory)
 from .env import allowed_cpus, cpu_count, rank_env, user_env_for
 from .slurm import layout as slurm_layout
 from .terminal import check_stdin_rank
@@ -29,6 +30,10 @@ DEFAULT_PREFIX = "[rank{rank}]: "
 
 # launch()'s keyword options and their defaults: one table, so launch, start and World
 # cannot drift apart.
+# What a warm server imports before forking ranks (preload=None): torch, whose import in
+# every rank is what makes spawn slow, and which mplaunch's ranks nearly always use.
+DEFAULT_PRELOAD: Tuple[str, ...] = ("torch", "torch.distributed")
+
 OPTION_DEFAULTS: Dict[str, Any] = {
     "kwargs": None,
     "start_method": None,
@@ -300,7 +305,7 @@ def _start_method(start_method) -> str:
                          f"{', '.join(map(repr, START_METHODS))}")
     if start_method not in available:
         raise ValueError(f"start_method {start_method!r} is not available on this platform")
-    if start_method == "fork" and servers.cuda_initialized():
+    if start_method == "fork" and cuda_initialized():
         raise RuntimeError("start_method='fork' is refused: CUDA is already initialised "
                            "in this process, and a forked child cannot use it. Use the "
                            "default start_method='forkserver' (as fast once warm, and "
@@ -325,7 +330,7 @@ def seconds(name: str, value, optional: bool = False):
 
 def _preload(preload) -> Tuple[str, ...]:
     if preload is None:
-        return servers.default_preload()
+        return DEFAULT_PRELOAD
     if isinstance(preload, str):
         preload = [preload]
     names = tuple(preload)

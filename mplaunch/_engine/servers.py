@@ -215,16 +215,6 @@ atexit.register(shutdown_servers)
 
 
 def default_preload() -> tuple:
-    """What a warm server imports before forking ranks: torch (importing it in every
-    rank is what makes spawn slow, and mplaunch's ranks nearly always use it)."""
-    return ("torch", "torch.distributed")
-
-
-def cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
-    try:
-        return bool(torch.cuda.is_initialized())
-    except Exception:  # noqa: BLE001
-        return False
+    """What a warm server imports before forking ranks (config.DEFAULT_PRELOAD)."""
+    from .config import DEFAULT_PRELOAD
+    return DEFAULT_PRELOAD
