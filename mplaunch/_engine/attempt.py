@@ -83,7 +83,9 @@ class Attempt:
         finally:
             self.group.close()
         if self.nodes is not None:
-            self.nodes.settle(self, self._report, self.waker.sleep)
+            lost = self.nodes.settle(self, self._report, self.waker.sleep)
+            if lost is not None:
+                self.group.record(self.group.node_failure(lost))
 
     def drive(self, until: Optional[Callable[[], bool]] = None,
               timeout: Optional[float] = None) -> None:

@@ -271,10 +271,14 @@ class RankGroup:
         if failure is not None:
             self.fail(failure)   # a healing World replaces it after the call
 
+    def record(self, failure: RankFailure) -> None:
+        """Record a failure, and nothing else (found once the ranks are gone)."""
+        self.failures.append(failure)
+
     def fail(self, failure: RankFailure) -> None:
         """Record a failure of this node and tear the group down; in a healing World's
         call, a rank's failure is its answer instead (_engine.heal decides the rest)."""
-        self.failures.append(failure)
+        self.record(failure)
         if not self.heal or failure.local_rank is None:
             self.stop(signal.SIGTERM)
 

@@ -179,11 +179,13 @@ class NodeSync:
             return failed
         return None
 
-    def settle(self, attempt, report, sleep) -> None:
+    def settle(self, attempt, report, sleep) -> Optional[str]:
         """Every local rank is gone. Wait for the other nodes to succeed (or for one to
         fail), exchange the failure report, and on node 0 keep the store up until every
         node has read it. `report()` gives this node's (failures, first error message);
-        `sleep(seconds)` waits but wakes for a signal (attempt.signal_received)."""
+        `sleep(seconds)` waits but wakes for a signal (attempt.signal_received). Returns
+        what to record as this node's failure when the others were lost meanwhile and
+        nothing else failed (the attempt records it), else None."""
         w = self.watch
         try:
             if attempt.signal_received is not None and self.remote_node is None \
@@ -211,7 +213,8 @@ class NodeSync:
                     sleep(POLL_INTERVAL)
         except NodeLost as exc:
             if not attempt.group.failures and self.remote_node is None:
-                attempt.group.failures.append(attempt.group.node_failure(str(exc)))
+                return str(exc)
+        return None
 
     def _wait_for_others(self, attempt, sleep) -> None:
         w = self.watch
