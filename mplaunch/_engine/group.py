@@ -80,7 +80,7 @@ class RankGroup:
 
     @property
     def pids(self) -> Dict[int, int]:
-        return {r.spec.rank: r.pid for r in self.ranks if r.pid not in (None, -1)}
+        return {r.spec.rank: r.pid for r in self.ranks if r.pid is not None}
 
     # -- starting --------------------------------------------------------------------
     def start(self) -> None:
@@ -89,7 +89,7 @@ class RankGroup:
         self._sel.register(self._waker.r, selectors.EVENT_READ, self._on_wake)
         for r in self.ranks:
             self._start_one(r)
-        while any(r.pid is None for r in self.ranks):
+        while any(r.pid is None and r.alive for r in self.ranks):   # started, or failed to
             self.spawner.pump()
 
     def replace(self, local_rank: int, payload_fd: int) -> RankState:
@@ -140,7 +140,7 @@ class RankGroup:
 
     def start_failed(self, token: int, reason: str) -> None:
         r = self.ranks[token]
-        r.status, r.pid = 1 << 8, -1
+        r.status = 1 << 8    # dead without a pid: it never started
         self.fail(of_rank(r, self.attempt, exitcode=1,
                           message=f"could not start: {reason}"))
 
@@ -153,8 +153,6 @@ class RankGroup:
                  "it; the next launch starts a new server")
         for r in dead:
             r.status = signal.SIGKILL
-            if r.pid is None:
-                r.pid = -1
             self.fail(of_rank(
                 r, self.attempt, exitcode=-signal.SIGKILL, signal="SIGKILL",
                 message=first if r is dead[0] else "it died with mplaunch's server process"))
@@ -313,7 +311,7 @@ class RankGroup:
 
     def _signal(self, signo: int, ranks) -> None:
         """`signo` to each rank's whole process group (its descendants too)."""
-        pids = [r.pid for r in ranks if r.pid not in (None, -1)]
+        pids = [r.pid for r in ranks if r.pid is not None]
         if pids:
             self.spawner.signal_groups(signo, pids)
 

@@ -24,7 +24,7 @@ class RankState:
 
     def __init__(self, spec: RankSpec):
         self.spec = spec
-        self.pid: Optional[int] = None     # -1: it never started
+        self.pid: Optional[int] = None     # None until it starts (or if it never did)
         self.status: Optional[int] = None  # raw wait status once exited
         self.has_result = False
         self.result = None
@@ -49,7 +49,7 @@ class RankState:
 
     @property
     def signalable(self) -> bool:
-        return self.alive and self.pid not in (None, -1)
+        return self.alive and self.pid is not None
 
     def open(self, cfg: LaunchConfig, attempt: int, payload_fd: int) -> List[int]:
         """Make the rank's result socket, output pipes, stack socket and relays; return the
