@@ -70,7 +70,8 @@ def abort_default_group() -> bool:
     """Abort the default process group: its communicators are torn down at once, so a
     collective blocked on a peer that will never come returns with an error (NCCL).
     True when done; False when torch.distributed is not initialised or this torch has no
-    ``distributed_c10d._abort_process_group`` (added in torch 2.2).
+    ``distributed_c10d._abort_process_group`` (pytorch PR 132291, mid-2024; torch 2.1.2
+    has none).
 
     Fallback (the caller's). A rank that exits after a failure destroys the group
     instead (procgroup): in the torch releases without the abort, ProcessGroupNCCL's
@@ -91,7 +92,7 @@ def abort_default_group() -> bool:
 def init_kwargs_for_device(index: int) -> dict:
     """The keyword arguments that bind init_process_group to CUDA device `index`:
     ``{"device_id": torch.device("cuda", index)}`` where init_process_group takes
-    ``device_id`` (torch 2.3 and newer), else ``{}``.
+    ``device_id`` (pytorch PR 114916, December 2023; torch 2.1.2 does not), else ``{}``.
 
     Fallback: nothing is passed, and the group finds its device the way those releases
     always did, from ``torch.cuda.set_device(index)``, which the caller has already
