@@ -33,7 +33,8 @@ def _torch_has(what: str) -> bool:
 
 
 needs_abort = pytest.mark.skipif(not _torch_has("_abort_process_group"),
-                                 reason="this torch has no _abort_process_group (2.1 has none)")
+                                 reason="this torch has no _abort_process_group "
+                                        "(2.1 has none)")
 needs_device_id = pytest.mark.skipif(not _torch_has("device_id"),
                                      reason="this torch's init_process_group takes no "
                                             "device_id (2.1 does not)")
