@@ -25,7 +25,7 @@ from mplaunch.errors import signal_name
 pytestmark = pytest.mark.no_torch
 
 PUBLIC = {
-    "launch", "start", "Handle", "World", "rank_state",
+    "launch", "start", "Handle", "World", "rank_state", "spawn", "SpawnContext",
     "WorkerError", "MainProcessError", "LaunchTimeout", "RankFailure",
     "RemoteException", "MPLaunchError", "__version__",
 }
