@@ -34,7 +34,7 @@ TORCH_CPU=2.13.0          # the README's CPU build: the pickling jobs need a tor
 # frames: checked under each cloudpickle and tblib.
 PICKLING_TESTS=(tests/test_pickler.py tests/test_errors.py tests/test_reports.py
                 tests/test_insight.py tests/test_user_main.py tests/test_crash_matrix.py
-                tests/test_plugin.py tests/test_notebook.py)
+                tests/test_plugin.py tests/test_plugin_reuse.py tests/test_notebook.py)
 TORCH_TESTS=(-m "not no_torch and not slurm")
 
 jobs_wanted=${MPLAUNCH_DEPS_JOBS:-pickling-floor pickling-newest torch-newest torch-floor}
