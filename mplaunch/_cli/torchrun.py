@@ -1,6 +1,6 @@
 """torchrun's flags, as a user moving from torchrun types them.
 
-Each flag of torch 2.13's ``torchrun`` is either one of mplaunch's own options under
+Each flag of torch 2.13's and 2.14's ``torchrun`` is either one of mplaunch's own options under
 another name (an alias in the parser), mapped onto mplaunch's options here, accepted
 and ignored with a note, or refused with one line that says what to use instead. None
 is silently dropped: a flag that changed what torchrun did must not quietly change
@@ -19,6 +19,9 @@ IGNORED = {
                            "output and error.json)",
     "--local-addr": "the nodes find each other through --master-addr",
     "--run-path": "each rank always runs the script with runpy, in its own interpreter",
+    # torch 2.14
+    "--log-line-prefix-template": "every relayed line is prefixed [rank<N>]: (see "
+                                  "--ranks-filter for whose lines reach the terminal)",
 }
 
 # Refused: what to do instead.
@@ -34,6 +37,8 @@ REFUSED = {
     "--virtual-local-rank": "LOCAL_RANK is the rank's index on its node; --gpus "
                             "per-rank gives each rank one GPU of its own, which it sees "
                             "as cuda:0",
+    # torch 2.14
+    "--print-completion": "mplaunch has no shell completion script of its own",
 }
 
 RDZV = ("--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf")

@@ -27,6 +27,7 @@ import sys
 import threading
 
 from .._wire.stacks import COLLECTIVE_END, COLLECTIVE_MARK
+from . import torchapi
 
 _fd = None            # the rank's stack socket, set when the rank takes over its process
 _started = False
@@ -78,11 +79,8 @@ def report() -> dict:
     """{"initialized": bool, "seq": the default group's collective count or None,
     "why": why it is None}."""
     dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is None or not dist.is_initialized():
-            return {"initialized": False}
-        group = dist.distributed_c10d._get_default_group()
-        return {"initialized": True, "seq": int(group._get_sequence_number_for_group())}
-    except Exception as exc:  # noqa: BLE001 - a backend that does not count them
-        return {"initialized": True, "seq": None,
-                "why": f"{type(exc).__name__}: {exc}"[:200]}
+    if dist is None or not dist.is_initialized():
+        return {"initialized": False}
+    seq, why = torchapi.sequence_number_and_why()
+    return {"initialized": True, "seq": seq} if why is None else \
+        {"initialized": True, "seq": None, "why": why}

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from .._wire import linux
 from .._wire.messages import RELEASE_SIGNAL
+from . import torchapi
 
 
 _incarnation = 0
@@ -79,13 +80,18 @@ def _abort_nccl() -> None:
     """NCCL: abort the communicators, which makes a collective (or the stream
     synchronisation) blocked in the main thread return with an error; the group is
     then destroyed and built again as for gloo. Reasoned about from torch's API, not
-    run: no GPU where this was written."""
+    run: no GPU where this was written.
+
+    A torch without the abort (torchapi.abort_default_group) gets nothing here: a
+    destroy from this thread would not reach the communicators while the main thread's
+    collective holds the group, so that collective ends at the group's timeout, when
+    NCCL's watchdog ends the rank and the World replaces it."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return
     if dist.get_backend() != "nccl":
         return
-    dist.distributed_c10d._abort_process_group()
+    torchapi.abort_default_group()
 
 
 def release_connections() -> int:
@@ -193,11 +199,8 @@ def group_state() -> dict:
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return {"initialized": False, "seq": None, "incarnation": _incarnation}
-    try:
-        seq = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
-    except Exception:  # noqa: BLE001 - a backend without sequence numbers
-        seq = None
-    return {"initialized": True, "seq": seq, "incarnation": _incarnation,
+    return {"initialized": True, "seq": torchapi.sequence_number(),
+            "incarnation": _incarnation,
             "backend": dist.get_backend()}
 
 

@@ -15,6 +15,7 @@ import sys
 from typing import Optional
 
 from .._wire.spec import uses_cuda
+from . import torchapi
 
 _ours = False   # the default group was made here, and is ours to end
 
@@ -48,7 +49,7 @@ def setup(backend: Optional[str]) -> None:
                 f"would use cuda:{index}, but it sees {count} GPU(s) "
                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
         torch.cuda.set_device(index)
-        kwargs["device_id"] = torch.device("cuda", index)
+        kwargs.update(torchapi.init_kwargs_for_device(index))
     dist.init_process_group(backend, **kwargs)
     _ours = True
 
@@ -87,10 +88,8 @@ def _end_group(failed: bool) -> None:
         if dist is None or not dist.is_initialized():
             return   # the user's code destroyed it
         if failed:
-            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-            if abort is not None and uses_cuda(dist.get_backend()):
-                abort()
-                return
+            if uses_cuda(dist.get_backend()) and torchapi.abort_default_group():
+                return   # else destroyed, below
         elif "gloo" in str(dist.get_backend()):
             # A rank that destroys its group and exits right after init can break a
             # gloo peer whose connect has not finished ("Connection closed by peer").

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from . import torchapi
+
 
 class _RankOutcome(Exception):
     """pytest.skip/xfail/fail in a rank, in a form that pickles: pytest's own outcome
@@ -88,11 +90,7 @@ def _group_health() -> dict:
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return {"initialized": False, "seq": None}
-    try:
-        seq = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
-    except Exception:  # noqa: BLE001 - a torch without it, or a backend that lacks it
-        seq = None
-    return {"initialized": True, "seq": seq}
+    return {"initialized": True, "seq": torchapi.sequence_number()}
 
 
 def _without_hidden_tail(tb):

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# CI step (.ci/run): the range of dependencies setup.cfg's install_requires claims, not
+# only the one snapshot the README's environment happens to resolve.
+#
+# cloudpickle 3.1.3 once changed what every pickled code object says its file is, and CI
+# did not notice, because it only ever ran the newest release. So each job below builds
+# its own virtual environment (in a temporary folder, removed at the end), prints the
+# versions it really got, runs pytest and its counts, and times itself:
+#
+#   pickling-floor   cloudpickle and tblib at the lowest releases setup.cfg admits, with
+#                    the tests that pickle functions, errors, tracebacks and stacks
+#   pickling-newest  the same tests with the newest cloudpickle and tblib the registry
+#                    serves (an upgrade run: whatever was released since is tested here)
+#   torch-newest     the newest torch this machine's pip offers, every test that needs
+#                    torch but the SLURM ones (the README's run starts that cluster)
+#   torch-floor      the lowest torch setup.cfg admits, the same tests. NOT run by
+#                    default yet: on torch 2.1.2 the multi-node launch fails
+#                    (_engine/nodes.py calls TCPStore.check, which 2.1 lacks: 5 tests of
+#                    test_multinode and test_cli), and so do test_sweep's
+#                    test_a_pickle_written_into_the_store_runs_no_code and
+#                    test_cli_torchrun's wheel/mypy fixtures. Until mplaunch checks for
+#                    TCPStore.check (or setup.cfg's floor is raised to a torch that has
+#                    it), the summary says so on every run; MPLAUNCH_DEPS_JOBS=torch-floor
+#                    runs it. It costs about 16 min (2 of them installing).
+#
+# A job that fails fails this step (exit 1), after every job has run.
+# MPLAUNCH_DEPS_JOBS="pickling-floor torch-floor" runs only the jobs named.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# What setup.cfg's floors are today; a test keeps these in step with setup.cfg.
+CLOUDPICKLE_FLOOR=2.2.0
+TBLIB_FLOOR=3.0.0
+TORCH_FLOOR=2.1.2
+TORCH_CPU=2.13.0          # the README's CPU build: the pickling jobs need a torch, not this one
+
+# The tests that ship code, results and exceptions between processes and show their
+# frames: checked under each cloudpickle and tblib.
+PICKLING_TESTS=(tests/test_pickler.py tests/test_errors.py tests/test_reports.py
+                tests/test_insight.py tests/test_user_main.py tests/test_crash_matrix.py
+                tests/test_plugin.py tests/test_plugin_reuse.py tests/test_notebook.py)
+TORCH_TESTS=(-m "not no_torch and not slurm")
+
+jobs_wanted=${MPLAUNCH_DEPS_JOBS:-pickling-floor pickling-newest torch-newest}
+failed=()
+summary=()
+
+run_job() {  # run_job NAME "pip install steps, ;-separated" PYTEST_ARGS...
+    local name=$1 steps=$2
+    shift 2
+    case " $jobs_wanted " in *" $name "*) ;; *) return 0 ;; esac
+    local venv="$work/$name" log="$work/$name.log" start=$SECONDS rc=0
+    echo "== deps: $name"
+    (
+        set -euo pipefail
+        "$python" -m venv "$venv"
+        # shellcheck disable=SC1091
+        . "$venv/bin/activate"
+        IFS=';' read -ra cmds <<< "$steps"
+        for cmd in "${cmds[@]}"; do
+            echo "   \$ $cmd"
+            bash -euo pipefail -c "$cmd" > "$work/$name.pip" 2>&1 \
+                || { tail -n 30 "$work/$name.pip"; exit 1; }
+        done
+        python - <<'EOF'
+import importlib.metadata as md, sys
+names = ["torch", "cloudpickle", "tblib", "pytest", "numpy", "ipykernel", "ipython"]
+def version(n):
+    try:
+        return md.version(n)
+    except md.PackageNotFoundError:
+        return None
+print("   versions: Python " + sys.version.split()[0] + ", "
+      + ", ".join(f"{n} {version(n)}" for n in names if version(n)))
+EOF
+        MPLAUNCH_TEST_SHARED_MACHINE=1 python -m pytest -p no:cacheprovider -q "$@"
+    ) > "$log" 2>&1 || rc=$?
+    local took=$((SECONDS - start))
+    local versions counts
+    versions=$(grep -m1 '^   versions:' "$log" | sed 's/^   versions: //' || true)
+    counts=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|skipped|deselected)' "$log" | tail -n 1 \
+             | sed 's/=//g; s/^ *//; s/ *$//' || true)
+    if [ "$rc" -ne 0 ]; then
+        failed+=("$name")
+        echo "   FAILED (exit $rc): the end of its log:"
+        tail -n 60 "$log" | sed 's/^/   | /'
+    else
+        sed -n '/^   /p' "$log"
+    fi
+    echo "   $name: ${counts:-no pytest summary} in ${took} s"
+    summary+=("$(printf '%-16s %5d s  %-6s %s | %s' "$name" "$took" \
+        "$([ "$rc" -eq 0 ] && echo ok || echo FAILED)" "${counts:-no pytest summary}" "$versions")")
+}
+
+run_job pickling-floor \
+    "pip install torch==$TORCH_CPU; pip install -e '.[test]' cloudpickle==$CLOUDPICKLE_FLOOR tblib==$TBLIB_FLOOR" \
+    "${PICKLING_TESTS[@]}"
+run_job pickling-newest \
+    "pip install torch==$TORCH_CPU; pip install -e '.[test]'; pip install --upgrade cloudpickle tblib" \
+    "${PICKLING_TESTS[@]}"
+run_job torch-newest \
+    "pip install --upgrade torch; pip install -e '.[test]'" \
+    "${TORCH_TESTS[@]}"
+# torch 2.1 was built against numpy 1 and cannot import numpy 2's arrays.
+run_job torch-floor \
+    "pip install torch==$TORCH_FLOOR 'numpy<2'; pip install -e '.[test]'" \
+    "${TORCH_TESTS[@]}"
+
+echo "== deps: summary (job, seconds, result, pytest counts | versions)"
+printf '   %s\n' "${summary[@]}"
+case " $jobs_wanted " in *" torch-floor "*) ;; *)
+    echo "   torch-floor      NOT RUN: setup.cfg claims torch>=2.1, but 2.1.2 fails the" \
+         "multi-node tests (TCPStore.check); see the top of .ci/deps.sh" ;;
+esac
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "FAILED: the dependency jobs ${failed[*]}" >&2
+    exit 1
+fi
