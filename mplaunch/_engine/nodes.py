@@ -55,8 +55,11 @@ class NodeWatch:
                          str(self.node_rank))
         return self._node_number(won)
 
+    def _has(self, key: str) -> bool:
+        return self._call(_has_key, self.store, key)
+
     def failed_node(self) -> Optional[int]:
-        if self._call(self.store.check, [self.prefix + "failed"]):
+        if self._has(self.prefix + "failed"):
             return self._node_number(self._call(self.store.get, self.prefix + "failed"))
         return None
 
@@ -79,7 +82,7 @@ class NodeWatch:
         for a report that is not one)."""
         end = time.monotonic() + wait
         while time.monotonic() < end:
-            if self._call(self.store.check, [self.prefix + "report"]):
+            if self._has(self.prefix + "report"):
                 raw = self._call(self.store.get, self.prefix + "report")
                 try:
                     return decode_report(raw)
@@ -95,6 +98,20 @@ class NodeWatch:
 
     def all_done(self) -> bool:
         return self._call(self.store.add, self.prefix + "done", 0) >= self.nnodes
+
+
+_ABSENT = "\0mplaunch: no such key"
+
+
+def _has_key(store, key: str) -> bool:
+    """Whether `key` is in the store, without waiting for it. ``TCPStore.check`` where
+    this torch has it (2.2 and newer); else a compare_set with an expected value no key
+    ever holds: the store then sets nothing and answers that same value when the key is
+    missing, and the key's value when it exists."""
+    check = getattr(store, "check", None)
+    if check is not None:
+        return bool(check([key]))
+    return store.compare_set(key, _ABSENT, _ABSENT) != _ABSENT.encode()
 
 
 def _mac(token: str, body: bytes) -> str:

@@ -51,9 +51,10 @@ class _PatchOnImport:
 
 
 def _patch_rendezvous(mod) -> None:
-    handlers = getattr(mod, "_rendezvous_handlers", None)
+    from .torchapi import rendezvous_handlers
+    handlers = rendezvous_handlers(mod)
     if handlers is None:
-        return
+        return   # a torch without the table: its own handlers, as without mplaunch
     for scheme in ("env", "tcp"):
         if scheme in handlers and not getattr(handlers[scheme], "_mplaunch", 0):
             handlers[scheme] = _joining(scheme, handlers[scheme])
