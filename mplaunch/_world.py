@@ -3,7 +3,7 @@
 The front-end: it validates, takes one call at a time, and presents. The engine is
 _engine.serving.Serving (what Run is to launch()): it starts the ranks, drives each call
 to its replies with the loop launch() uses, and heals a failed call where it can
-(_engine.heal drives the call, _rank.pgroup is the ranks' side). One run() goes down to
+(_engine.heal drives the call, _rank.heal is the ranks' side). One run() goes down to
 it and comes back once, with the results or the error to raise.
 """
 from __future__ import annotations
@@ -14,13 +14,13 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVa
 
 from ._engine.config import LaunchConfig, check_call, seconds, validate
 from ._engine.serving import RankCalls, Serving
-from ._rank import pgroup, procgroup
+from ._rank import heal, procgroup
 from ._wire.payload import dumps_payload
 
 T = TypeVar("T")
 # mplaunch's own calls in the ranks, sent by reference to the rank's side
-_CALLS = RankCalls(setup=procgroup.setup, group_state=pgroup.group_state,
-                   rebuild=pgroup.rebuild)
+_CALLS = RankCalls(setup=procgroup.setup, group_state=heal.group_state,
+                   rebuild=heal.rebuild)
 
 # Strong references: a World nobody refers to any more is still open (its ranks, pipes and
 # store are up) and must be closed at exit. With weak ones, a world made in a function

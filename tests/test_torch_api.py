@@ -15,7 +15,7 @@ import time
 import pytest
 
 import mplaunch
-from mplaunch._rank import pgroup, procgroup, pytest_rank, torchapi
+from mplaunch._rank import heal, procgroup, pytest_rank, torchapi
 
 SEQ = "_get_sequence_number_for_group"
 
@@ -66,7 +66,7 @@ def counts_three(hide):
         _hide_sequence_number()
     from mplaunch._rank import collectives
     out = {"api": torchapi.sequence_number_and_why(), "report": collectives.report(),
-           "group_state": pgroup.group_state()["seq"],
+           "group_state": heal.group_state()["seq"],
            "health": pytest_rank._group_health()["seq"]}
     dist.destroy_process_group()
     return out
@@ -170,10 +170,10 @@ def test_a_world_without_the_counter_keeps_its_group_after_a_failure():
     """The health check's fallback: every rank says None, so they agree, and the group
     is kept as the failed run left it (a desync would go unseen: the price)."""
     with mplaunch.World(nprocs=2, backend="gloo") as world:
-        seqs = [s["seq"] for s in world.run(pgroup.group_state)]
+        seqs = [s["seq"] for s in world.run(heal.group_state)]
         assert isinstance(seqs[0], int) and seqs[0] == seqs[1], seqs
         assert world.run(hide_in_world) == [True, True]
-        assert [s["seq"] for s in world.run(pgroup.group_state)] == [None, None]
+        assert [s["seq"] for s in world.run(heal.group_state)] == [None, None]
         with pytest.raises(mplaunch.WorkerError) as info:
             world.run(fails_in_rank_0)
         assert "world was kept" in info.value.healed, info.value.healed

@@ -13,7 +13,7 @@ SIGINT, the deadline passed):
    mplaunch's own code), which raises KeyboardInterrupt in Python code;
 3. RELEASE_AFTER seconds later, ranks still silent are taken to be blocked in C, in a
    collective: every rank is asked to shut its connections to the others (see
-   _rank.pgroup), which makes gloo raise; the group must then be rebuilt;
+   _rank.heal), which makes gloo raise; the group must then be rebuilt;
 4. past the grace period, a rank that has not answered is killed, and the World replaces
    it as it replaces a rank that died; if even that fails within another grace period,
    the group is torn down as without healing (the next run starts fresh ranks).

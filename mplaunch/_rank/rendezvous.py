@@ -3,11 +3,23 @@ already hosts on MASTER_PORT, instead of rank 0 starting a store there, in every
 that names that store: ``env://`` (the default), with or without ``rank=``/``world_size=``
 (which torch turns into a URL query), and ``tcp://MASTER_ADDR:MASTER_PORT``. Any other
 address, a ``file://`` URL or a ``store=`` is torch's business, as without mplaunch.
+
+Key spaces. torch names the default group "0" again after every destroy (it resets its
+group counter), and the store outlives the group: a new group built with the same store
+writes and reads the very keys of the old one (gloo's peer addresses). A rank that is
+quicker through destroy/init reads the old group's entries and connects to sockets that
+are closing: "Connection reset by peer", or a hang in DDP's first collective. So every
+rendezvous against mplaunch's store gets a key space of its own, ``pg<n>/``, where n
+counts this rank's rendezvous (its incarnations). Ranks run the same code, so they count
+alike; when a heal rebuilds the group the launching process sets one number for all of
+them (a replaced rank starts at 0, its peers do not).
 """
 from __future__ import annotations
 
 import os
 import sys
+
+from .._wire import linux
 
 
 def install_hook() -> None:
@@ -96,8 +108,7 @@ def _joining(scheme: str, original):
         host, port = store_at
         kw = {} if timeout is None else {"timeout": timeout}
         store = TCPStore(host, int(port), world_size, False, **kw)
-        # A key space per group: see pgroup (why a reused one hangs or resets).
-        from .pgroup import next_key_space
+        # A key space per group (the module's docstring says why)
         prefix = os.environ.get("MPLAUNCH_STORE_PREFIX", "") + next_key_space()
         yield (PrefixStore(prefix, store), rank, world_size)
         raise RuntimeError(f"Unable to perform re-rendezvous using {scheme}:// method")
@@ -145,3 +156,52 @@ def _agreed(query: dict, url: str):
                 f"{key}=int(os.environ[{where!r}]), or leave {key} out and let env:// "
                 "read it; a different world needs a different nprocs (or nnodes).")
     return env["rank"], env["world_size"]
+
+
+# -- key spaces ------------------------------------------------------------------------
+
+_incarnation = 0
+
+
+def next_key_space() -> str:
+    """The store prefix of the next group this rank builds (called by the hook)."""
+    global _incarnation
+    n = _incarnation
+    _incarnation += 1
+    return f"pg{n}/"
+
+
+def incarnation() -> int:
+    return _incarnation
+
+
+def set_incarnation(n: int) -> None:
+    global _incarnation
+    _incarnation = n
+
+
+# -- start_method="fork" ---------------------------------------------------------------
+
+def close_inherited_store_sockets() -> int:
+    """In a rank forked from the launching process (start_method="fork"), close the
+    copies of the store server's sockets (its listening socket and its connections to
+    the other ranks) that the fork inherited; the number closed.
+
+    The server's event loop (libuv, epoll) registered those sockets; epoll keeps a
+    registration while any copy of the socket is open, so after the server closed a
+    connection (a rank that died) our copy kept reporting its events under an fd
+    number the server had closed, and could then reuse: seen as a store that no longer
+    answers a replaced rank's rendezvous. Those fds belong to C++ objects of the
+    launching process, never to a Python object of ours, so closing them is safe."""
+    store = os.environ.get("MPLAUNCH_STORE", "")
+    _, _, port = store.rpartition(":")
+    if not port.isdigit():
+        return 0
+    hexport = f":{int(port):04X}"
+    table = linux.tcp_table()
+    closed = 0
+    for fd, inode in linux.socket_fds(os.getpid()).items():
+        ends = table.get(inode)
+        if ends is not None and ends[0].endswith(hexport):
+            closed += linux.close_quiet(fd)
+    return closed

@@ -76,7 +76,7 @@ def abort_default_group() -> bool:
     Fallback (the caller's). A rank that exits after a failure destroys the group
     instead (procgroup): in the torch releases without the abort, ProcessGroupNCCL's
     destructor aborts its communicators, so the group still ends without waiting on its
-    peers. The release thread (pgroup) does nothing: while the main thread's collective
+    peers. The release thread (_rank.heal) does nothing: while the main thread's collective
     holds the group no destroy reaches its communicators, so that collective ends at
     the group's timeout."""
     dist = _dist()

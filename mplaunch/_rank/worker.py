@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-from . import collectives, pgroup, procgroup, rendezvous, serve as serving, streams
+from . import collectives, heal, procgroup, rendezvous, serve as serving, streams
 # Imported here, not when first used: the server imports this module before it forks
 # any rank (a forked rank finds them loaded), and every rank needs them.
 from .._wire import linux, mainmod, payload as wire_payload
@@ -101,7 +101,7 @@ def _apply_spec(spec, forked_from_launcher: bool = False) -> None:
         os.sched_setaffinity(0, spec.cpus)
     if forked_from_launcher:
         # Only a fork of the launching process has any (see there); it reads /proc.
-        pgroup.close_inherited_store_sockets()
+        rendezvous.close_inherited_store_sockets()
     torch = sys.modules.get("torch")
     threads = os.environ.get("OMP_NUM_THREADS")
     if torch is not None and threads and threads.isdigit() and int(threads) > 0:
@@ -170,7 +170,7 @@ def _run_and_report(spec, fds: dict) -> int:
     global _channel_inode
     _channel_inode = os.fstat(sock.fileno()).st_ino
     if spec.serve:
-        pgroup.arm_release()   # before the first call: every thread must inherit its mask
+        heal.arm_release()   # before the first call: every thread must inherit its mask
     code = _call_and_report(sock, spec, fds["payload"], first=True)
     if spec.serve:
         # A World's rank: more calls follow, until the parent ends the world.

@@ -6,6 +6,7 @@ import ctypes.util
 import os
 import signal
 import time
+from typing import Dict, Tuple
 
 # mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.serve)
 __mplaunch_plumbing__ = True
@@ -202,3 +203,38 @@ def entry_code(module: str, function: str) -> str:
     pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return (f"import sys; sys.path.insert(0, {pkg_parent!r}); "
             f"from mplaunch.{module} import {function}; {function}()")
+
+
+def socket_fds(pid: int) -> Dict[int, int]:
+    """{fd: socket inode} of a process (empty if it cannot be read)."""
+    out: Dict[int, int] = {}
+    base = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return out
+    for name in names:
+        try:
+            target = os.readlink(f"{base}/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out[int(name)] = int(target[8:-1])
+    return out
+
+
+def tcp_table() -> Dict[int, Tuple[str, str]]:
+    """{inode: (local address, remote address)} of this network namespace's TCP sockets,
+    addresses as /proc/net/tcp writes them."""
+    table = {}
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            if len(parts) > 9:
+                table[int(parts[9])] = (parts[1], parts[2])
+    return table

@@ -35,7 +35,7 @@ __mplaunch_plumbing__ = True
 # it at C level, even while the rank is blocked inside a gloo collective.
 STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 # Sent by a healing World to every rank: shut down the connections to the other ranks,
-# which releases a collective left half-done (taken by a thread: _rank.pgroup).
+# which releases a collective left half-done (taken by a thread: _rank.heal).
 RELEASE_SIGNAL = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else None
 
 # Exit codes of a rank that the launching process reads as a reason.
