@@ -372,3 +372,4 @@ def test_the_interrupt_guard_knows_mplaunchs_plumbing_by_the_modules_own_word():
         serve._on_sigint(2, frame_in({"__name__": "__main__"}))
     with pytest.raises(KeyboardInterrupt):
         serve._on_sigint(2, frame_in(dict(vars(types))))
+
