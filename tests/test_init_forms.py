@@ -161,3 +161,18 @@ def test_every_form_in_a_plugin_test(pytester, tmp_path):
     """))
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=170)
     result.assert_outcomes(passed=3)
+
+
+def _gpus_here():
+    from mplaunch._engine.config import gpu_count
+    return gpu_count()
+
+
+@pytest.mark.skipif(_gpus_here() < 1, reason="needs a CUDA GPU")
+def test_nccl_with_device_id_joins_the_store():
+    """torch takes device_id= for accelerators only: NCCL, each rank on its own GPU
+    (gpus="per-rank"), rank=/world_size= given as the frameworks give them."""
+    n = min(2, _gpus_here())
+    out = mplaunch.launch(run_forms, args=(["device_id"],), nprocs=n, gpus="per-rank",
+                          timeout=150)
+    assert out == [expected(["device_id"], n)] * n
