@@ -229,7 +229,8 @@ def test_a_rank_sees_what_torchrun_sets_less_what_is_left_out_on_purpose():
         assert sorted(ranks) == [0, 1], proc.stdout
         seen[name] = set(json.loads(ranks[0]))
     left_out = {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
-                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_SIGNALS_TO_HANDLE"}
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_SIGNALS_TO_HANDLE",
+                "NCCL_ASYNC_ERROR_HANDLING"}   # the last: its name before torch 2.2
     missing = seen["torchrun"] - seen["watcher"] - left_out
     assert not missing, f"torchrun sets {sorted(missing)}, the watcher does not"
     for name in ("TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME",
