@@ -25,6 +25,7 @@ SCRIPTS = os.path.join(HERE, "scripts")
 if SCRIPTS not in sys.path:
     sys.path.insert(0, SCRIPTS)
 
+pytest.importorskip("torch")   # the forms are torch's (no_torch Pythons have none)
 from init_forms import expected, run_forms  # noqa: E402
 
 OURS = ["rank_world", "timeout", "keywords", "env_url", "env_query", "tcp_ours",

@@ -14,8 +14,10 @@ import time
 
 import pytest
 
-import mplaunch
-from mplaunch._rank import heal, procgroup, pytest_rank, torchapi
+pytest.importorskip("torch")   # every test here asks torch (no_torch Pythons have none)
+
+import mplaunch  # noqa: E402
+from mplaunch._rank import heal, procgroup, pytest_rank, torchapi  # noqa: E402
 
 SEQ = "_get_sequence_number_for_group"
 
