@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 import weakref
 from typing import Any, Callable, Dict, Generic, List, Optional, TypeVar
 
@@ -78,8 +79,16 @@ class Handle(Generic[T]):
         the ranks, as during launch()."""
         if self._finished.is_set():
             return True
+        end = None if timeout is None else time.monotonic() + timeout
         with signals.forwarding(self._run.on_signal, warn=False):
-            return self._finished.wait(timeout)
+            # In slices: a signal the kernel gave another thread runs its handler only
+            # once this (main) thread runs bytecode again, and a lock wait is not woken.
+            while True:
+                left = 0.25 if end is None else min(0.25, end - time.monotonic())
+                if self._finished.wait(max(0.0, left)):
+                    return True
+                if end is not None and time.monotonic() >= end:
+                    return False
 
     def result(self, timeout: Optional[float] = None) -> List[T]:
         """The list launch() returns, or raise what launch() raises. Raises

@@ -100,7 +100,7 @@ class Run:
             attempt.request_stop(self.stop_grace)
         try:
             if self.forward_signals:
-                with signals.forwarding(self.on_signal):
+                with signals.forwarding(self.on_signal, wake_fd=session.waker.w):
                     attempt.run(self.started.set)
             else:
                 attempt.run(self.started.set)

@@ -168,7 +168,7 @@ class Serving:
         """Run `drive` with signals to this process forwarded to `on_signal`; whatever
         it raises tears the ranks down first."""
         try:
-            with signals.forwarding(on_signal, warn=False):
+            with signals.forwarding(on_signal, warn=False, wake_fd=self.attempt.waker.w):
                 drive()
         except BaseException:
             self.stop()

@@ -12,6 +12,7 @@ import os
 import select
 import signal
 import threading
+from typing import Optional
 
 from .._wire.linux import close_quiet
 
@@ -22,10 +23,17 @@ FORWARDED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "S
 
 
 @contextlib.contextmanager
-def forwarding(on_signal, warn: bool = True):
+def forwarding(on_signal, warn: bool = True, wake_fd: Optional[int] = None):
     """Within the block, the signals in FORWARDED call on_signal(signo) instead of their
     usual handlers. Outside the main thread nothing is installed (Python runs handlers
-    there alone); `warn` says so in the log."""
+    there alone); `warn` says so in the log.
+
+    `wake_fd` (a Waker's non-blocking write end, which the waiting loop selects on) is
+    the signal wakeup fd meanwhile. Python runs a handler only when the main thread runs
+    bytecode, and the kernel may deliver a process-directed signal to any thread that
+    does not block it (a thread of torch's, of a framework's, the test's own): the main
+    thread, asleep in select(), then never ran the handler, and a Ctrl-C hung instead of
+    interrupting. With the fd, the C-level handler wakes the select itself."""
     if threading.current_thread() is not threading.main_thread():
         if warn:
             log.warning("mplaunch.launch is running outside the main thread: signals to "
@@ -34,13 +42,18 @@ def forwarding(on_signal, warn: bool = True):
         yield False
         return
     previous = {}
+    old_wake = None
     try:
+        if wake_fd is not None:
+            old_wake = signal.set_wakeup_fd(wake_fd, warn_on_full_buffer=False)
         for signo in FORWARDED:
             previous[signo] = signal.signal(signo, lambda s, _f: on_signal(s))
         yield True
     finally:
         for signo, handler in previous.items():
             signal.signal(signo, signal.SIG_DFL if handler is None else handler)
+        if old_wake is not None:
+            signal.set_wakeup_fd(old_wake)
 
 
 class Waker:
