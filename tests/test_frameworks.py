@@ -147,18 +147,27 @@ def _accelerate_script(name):
     return spec.origin
 
 
-# The scripts of accelerate/test_utils/scripts that run on CPU (the others need GPUs or
-# extra packages, under torchrun too).
-ACCELERATE_SCRIPTS = ["test_ops", "test_script", "test_sync", "test_merge_weights",
-                      "test_cli"]
+# The scripts of accelerate/test_utils/scripts that run distributed on CPU, under torchrun
+# too. With ACCELERATE_USE_CPU=1, as `accelerate launch --cpu` sets it: without it, on a
+# machine with no GPU, Accelerator() is not distributed under either launcher (every
+# process is "the main process", and test_script's processes race on one file). The
+# others need GPUs (test_ddp_comm_hook, test_distributed_data_loop) or fail on CPU under
+# torchrun alike (test_merge_weights: FSDP).
+ACCELERATE_SCRIPTS = ["test_ops", "test_script", "test_sync", "test_cli"]
 
 
 @pytest.mark.parametrize("name", ACCELERATE_SCRIPTS)
 def test_accelerates_own_distributed_test_scripts_under_the_watcher(name, tmp_path):
     pytest.importorskip("accelerate")
-    proc = watcher(_accelerate_script(name), cwd=tmp_path)   # they write files there
+    proc = watcher(_accelerate_script(name), cwd=tmp_path,   # they write files there
+                   env=_env(ACCELERATE_USE_CPU="1"))
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
-    assert "[rank0]: " in proc.stdout + proc.stderr and "[rank1]: " in proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "[rank0]: " in out and "[rank1]: " in out
+    if name == "test_script":   # it says how it ran: distributed, as under torchrun
+        for rank in (0, 1):
+            assert f"[rank{rank}]: Distributed environment: DistributedType.MULTI_CPU" in out
+            assert f"[rank{rank}]: Num processes: 2" in out
 
 
 # -- transformers ------------------------------------------------------------------------
