@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
 
+from ._engine.config import check_call
 from ._handle import Handle, start
 from ._rank.calls import with_local_rank
 
@@ -63,11 +64,7 @@ def spawn(fn: Callable[..., Any], args: Any = (), nprocs: int = 1, join: bool = 
     added. The function sets up its own process group as it would under torch, with
     its own ``MASTER_ADDR``/``MASTER_PORT`` or with the ones mplaunch set.
     """
-    if not callable(fn):
-        raise TypeError(f"spawn(fn=...) must be callable, got {type(fn).__name__}")
-    if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
-        raise TypeError(f"args must be a tuple or list of arguments, got "
-                        f"{type(args).__name__}; for a single argument write args=(x,)")
+    check_call(fn, args, None)   # fn callable, args a tuple or list: as launch checks
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
     handle = start(with_local_rank, (fn, *args), nprocs, start_method=start_method,
