@@ -12,8 +12,12 @@ import atexit
 import threading
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVar
 
-from ._engine.config import LaunchConfig, check_call, seconds, validate
-from ._engine.serving import RankCalls, Serving
+import dataclasses
+import socket
+
+from ._engine.config import (DEFAULT_PREFIX, LaunchConfig, check_call, placement_args,
+                             seconds, validate)
+from ._engine.serving import NodesPlan, RankCalls, Serving
 from ._rank import heal, procgroup
 from ._wire.payload import dumps_payload
 
@@ -51,22 +55,30 @@ class World:
     __module__ = "mplaunch"
 
     def __init__(self, nprocs: Any = None, backend: Optional[str] = None,
-                 heal: bool = True, **options: Any):
+                 heal: bool = True, nnodes: Any = None, **options: Any):
         if "kwargs" in options:
             raise TypeError("World takes no kwargs=; pass them to run()")
         if not isinstance(heal, bool):
             raise TypeError(f"heal must be True (keep the ranks through a failed run) or "
                             f"False (tear them down), got {heal!r}")
         self.heal = heal
-        self.cfg: LaunchConfig = validate(procgroup.setup, (backend,), nprocs,
-                                          dict(options, backend=backend))
-        if self.cfg.nnodes > 1:
-            raise ValueError("a World runs on one node; for several nodes use launch()")
+        starter = options.pop("_starter", None)   # tests: agents started another way
+        nodes = None
+        if nnodes is not None and nnodes != 1:
+            self.cfg, nodes = _across_nodes(nprocs, nnodes, backend, options, starter)
+        else:
+            self.cfg = validate(procgroup.setup, (backend,), nprocs,
+                                dict(options, backend=backend))
+            if self.cfg.nnodes > 1:
+                raise ValueError("this process is one task of a multi-task srun step, "
+                                 "where launch() runs one node's ranks; for one World "
+                                 "across the nodes of an allocation, make it from one "
+                                 "process with World(nprocs, nnodes=N)")
         if self.cfg.max_restarts:
             raise ValueError("a World does not restart on its own: after a failed run the "
                              "next run() starts fresh ranks; leave max_restarts at 0")
         self.backend = backend
-        self._engine = Serving(self.cfg, backend, heal, _CALLS)
+        self._engine = Serving(self.cfg, backend, heal, _CALLS, nodes)
         self._closed = False
         # One call at a time: a call's replies are read from the ranks' sockets in the
         # order they come, and two callers would take each other's (and register the
@@ -89,7 +101,19 @@ class World:
 
     @property
     def nprocs(self) -> int:
-        return self.cfg.nprocs
+        """How many ranks the World has, on every node."""
+        return self.cfg.world_size
+
+    @property
+    def nnodes(self) -> int:
+        return self.cfg.nnodes
+
+    @property
+    def nodes(self) -> List[dict]:
+        """Across nodes: each node's index, name and agent pid, and its ranks' GPUs and
+        CPUs as its agent placed them ([] before the first run; one node: [])."""
+        return [{"node": i.index, "name": i.name, "agent_pid": i.pid, "gpus": i.gpus,
+                 "cpus": i.placed_cpus} for i in self._engine.nodes_info]
 
     def stacks(self):
         """{rank: where it is now}, asked without stopping anything, from any thread
@@ -138,7 +162,10 @@ class World:
             self._engine.request_stop()  # the running call tears down and raises
             self._lock.acquire()
         try:
-            self._engine.stop()
+            try:
+                self._engine.stop()
+            finally:
+                self._engine.close_nodes()
         finally:
             self._lock.release()
 
@@ -151,7 +178,57 @@ class World:
     def __repr__(self) -> str:
         state = ("closed" if self._closed else f"up, pids {self.pids}" if self._engine.up
                  else "not started")
-        return f"<mplaunch.World nprocs={self.nprocs} backend={self.backend!r} {state}>"
+        nodes = f" nnodes={self.nnodes}" if self.nnodes > 1 else ""
+        return (f"<mplaunch.World nprocs={self.nprocs}{nodes} backend={self.backend!r} "
+                f"{state}>")
+
+
+NODES_PREFIX = "[{host} rank{rank}]: "
+
+
+def _across_nodes(nprocs, nnodes, backend, options, starter):
+    """The configuration of a World whose `nprocs` ranks are split evenly over `nnodes`
+    nodes of this SLURM allocation, checked before anything starts."""
+    from ._engine import remote
+    if not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1:
+        raise ValueError(f"nnodes must be an int >= 1 (the nodes of this allocation the "
+                         f"World spans), got {nnodes!r}")
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < nnodes \
+            or nprocs % nnodes:
+        raise ValueError(
+            f"World(nprocs={nprocs!r}, nnodes={nnodes}): nprocs counts every rank of the "
+            f"World, and each node runs nprocs // nnodes of them; give a multiple of "
+            f"{nnodes}, such as nprocs={2 * nnodes}")
+    for name in ("node_rank", "nnodes"):
+        if options.get(name) is not None:
+            raise TypeError(f"World(nnodes=...) places its nodes itself; leave {name} out")
+    if options.get("start_method") == "fork":
+        raise ValueError("start_method='fork' cannot start ranks on other nodes; each "
+                         "node's agent starts its ranks with 'forkserver' (the default) "
+                         "or 'spawn'")
+    if options.get("stdin_rank") not in (None, 0):
+        raise ValueError("across nodes no rank reads this terminal; leave stdin_rank out")
+    if starter is None:
+        remote.check_allocation(nnodes)
+    address = options.pop("master_addr", None) or _this_host_address()
+    if options.get("prefix", DEFAULT_PREFIX) == DEFAULT_PREFIX:
+        options["prefix"] = NODES_PREFIX
+    cfg = validate(procgroup.setup, (backend,), nprocs // nnodes,
+                   dict(options, backend=backend, stdin_rank=None, master_addr=address))
+    cfg = dataclasses.replace(cfg, nnodes=nnodes, node_rank=0)
+    gpus, cpus = placement_args(options.get("gpus"), options.get("cpus"))
+    return cfg, NodesPlan(nnodes, address, gpus, cpus, starter)
+
+
+def _this_host_address() -> str:
+    """The address the nodes reach this process at: its host name's."""
+    host = socket.gethostname()
+    try:
+        return socket.gethostbyname(host)
+    except OSError as exc:
+        raise ValueError(f"this host's name {host!r} does not resolve ({exc}); give "
+                         "master_addr= an address of this machine that every node of "
+                         "the allocation reaches") from None
 
 
 @atexit.register

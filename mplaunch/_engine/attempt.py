@@ -23,11 +23,12 @@ class Attempt:
     ``outcome.results_or_raise(attempt)`` what it amounts to."""
 
     def __init__(self, cfg: LaunchConfig, number: int, specs: Sequence[RankSpec],
-                 payload_fd: int, waker: Waker, watch: Optional[NodeWatch] = None):
+                 payload_fd: int, waker: Waker, watch: Optional[NodeWatch] = None,
+                 make_spawner=None):
         self.cfg = cfg
         self.number = number
         self.waker = waker
-        self.group = RankGroup(cfg, specs, payload_fd, number, waker)
+        self.group = RankGroup(cfg, specs, payload_fd, number, waker, make_spawner)
         self.nodes = NodeSync(watch) if watch is not None else None
         # Requests from a signal handler or another thread, acted on by the loop:
         self.signal_received: Optional[int] = None

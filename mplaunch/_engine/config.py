@@ -100,11 +100,14 @@ class LaunchConfig:
 
 
 def rank_specs(cfg: LaunchConfig, attempt: int, port: int,
-               store_address: Optional[str], serve: bool = False) -> List[RankSpec]:
+               store_address: Optional[str], serve: bool = False,
+               base: Optional[Mapping[str, str]] = None,
+               host: Optional[str] = None) -> List[RankSpec]:
     """The specs of this node's ranks for one attempt (each attempt has its own keys in
-    the store and its own RESTART_COUNT)."""
-    base = dict(os.environ)
-    host = socket.gethostname()
+    the store and its own RESTART_COUNT). `base` and `host`: the node's environment and
+    name, where the node is another (a World across nodes: its agent's)."""
+    base = dict(os.environ if base is None else base)
+    host = socket.gethostname() if host is None else host
     cwd = working_directory()
     path = tuple(sys.path)
     specs = []
@@ -128,6 +131,12 @@ def rank_specs(cfg: LaunchConfig, attempt: int, port: int,
 
 
 # -- validation ------------------------------------------------------------------------
+
+def placement_args(gpus, cpus):
+    """``gpus=`` and ``cpus=`` checked, in the form devices.place takes (for a node
+    that places its own ranks)."""
+    return _gpus(gpus), _cpus(cpus)
+
 
 def validate(func: Callable[..., Any], args: Any, nprocs: Any,
              options: Mapping[str, Any], script: Optional[Script] = None) -> LaunchConfig:

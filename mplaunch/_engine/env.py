@@ -79,6 +79,16 @@ def rank_env(*, base: Mapping[str, str], rank: int, local_rank: int, world_size:
         "ROLE_NAME": "default",
         "PYTHONUNBUFFERED": "1",
     })
+    if "SLURM_PROCID" in env:
+        # Inside a SLURM step the launching process's task variables describe it, not
+        # this rank: a framework that reads them (Lightning's SLURM environment) would
+        # take every rank for task 0 of a step of one. Each rank is a task of its own.
+        env.update({"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local_rank),
+                    "SLURM_NODEID": str(node_rank), "SLURM_NTASKS": str(world_size),
+                    "SLURM_NPROCS": str(world_size), "SLURM_NNODES": str(nnodes),
+                    "SLURM_NTASKS_PER_NODE": str(local_world_size),
+                    "SLURM_STEP_NUM_TASKS": str(world_size),
+                    "SLURM_STEP_NUM_NODES": str(nnodes)})
     if store:
         # Read by the rank's env:// hook; each attempt has its own keys in the store.
         env["MPLAUNCH_STORE"] = store

@@ -52,7 +52,7 @@ class RankGroup:
     reaped is the spawner's (_engine.spawners); the group only keeps their state."""
 
     def __init__(self, cfg: LaunchConfig, specs: Sequence[RankSpec], payload_fd: int,
-                 attempt: int, waker: Waker):
+                 attempt: int, waker: Waker, make_spawner=None):
         self.cfg = cfg
         self.attempt = attempt
         self.payload_fd = payload_fd
@@ -60,7 +60,7 @@ class RankGroup:
         self.ranks: List[RankState] = [RankState(s) for s in specs]
         self.failures: List[RankFailure] = []
         self.teardown: Optional[Teardown] = None
-        self.spawner = spawners.for_config(cfg, self)
+        self.spawner = (make_spawner or spawners.for_config)(cfg, self)
         # Held while another thread reads the ranks' stacks (_engine.timeouts): the
         # ranks' fds stay open, fork-mode pids unreaped and channel sends whole meanwhile.
         self.lock = self.spawner.lock
@@ -82,6 +82,13 @@ class RankGroup:
     def pids(self) -> Dict[int, int]:
         return {r.spec.rank: r.pid for r in self.ranks if r.pid is not None}
 
+    def state_of(self, rank: int) -> Optional[RankState]:
+        """The RankState of global rank `rank`, if this group holds it."""
+        for r in self.ranks:
+            if r.spec.rank == rank:
+                return r
+        return None
+
     # -- starting --------------------------------------------------------------------
     def start(self) -> None:
         """Start every rank; returns once each has a pid."""
@@ -92,11 +99,11 @@ class RankGroup:
         while any(r.pid is None and r.alive for r in self.ranks):   # started, or failed to
             self.spawner.pump()
 
-    def replace(self, local_rank: int, payload_fd: int) -> RankState:
+    def replace(self, index: int, payload_fd: int) -> RankState:
         """A fresh process for a dead rank, by the path that started it (a healing World:
         _engine.serving); its first call is the payload in `payload_fd`. The old one's
         last output is relayed and its fds closed. Returns once it has a pid."""
-        old = self.ranks[local_rank]
+        old = self.ranks[index]
         _relay_pending(old, end_line=False)   # all there is: the writer is dead
         for fileobj in (old.reader.sock, old.out_fd, old.err_fd, old.stack_fd):
             if fileobj is not None:
@@ -104,8 +111,8 @@ class RankGroup:
         old.close()
         # Its group comes from its first call (a rebuild in key space n with the others),
         # not from the set-up that a spec's backend asks for (key space 0).
-        new = RankState(dataclasses.replace(self._specs[local_rank], backend=None))
-        self.ranks[local_rank] = new
+        new = RankState(dataclasses.replace(self._specs[index], backend=None))
+        self.ranks[index] = new
         self._start_one(new, payload_fd)
         while new.pid is None and new.alive:
             self.spawner.pump()
@@ -115,7 +122,8 @@ class RankGroup:
         child_fds = r.open(self.cfg, self.attempt,
                            self.payload_fd if payload_fd is None else payload_fd)
         try:
-            self.spawner.start(r.local_rank, r.spec, child_fds)
+            # Its token is its place in the group (local_rank is not one across nodes).
+            self.spawner.start(self.ranks.index(r), r.spec, child_fds)
         finally:
             r.close_child_ends()
         self._sel.register(r.reader.sock, selectors.EVENT_READ, ("result", r))
@@ -137,6 +145,28 @@ class RankGroup:
         if r is not None and r.alive:
             r.max_rss, r.exit_note = max_rss, note
             self._on_exit(r, status)
+
+    def exited_token(self, token: int, status: int, max_rss: Optional[int] = None,
+                     note: Optional[str] = None) -> None:
+        """As exited(), for a spawner that knows its ranks by token (pids of several
+        nodes may be the same number)."""
+        r = self.ranks[token]
+        if r.alive and r.pid is not None:
+            r.max_rss, r.exit_note = max_rss, note
+            self._on_exit(r, status)
+
+    def node_lost(self, tokens: Sequence[int], message: str) -> None:
+        """A node of a World across nodes is gone, and its ranks with it: recorded as
+        their deaths, and the whole group torn down (healing cannot replace a rank on a
+        node that is not there)."""
+        lost = [self.ranks[t] for t in tokens if self.ranks[t].alive]
+        for r in lost:
+            r.status = signal.SIGKILL
+            r.exited_at = time.time()
+            self.record(of_rank(r, self.attempt, exitcode=-signal.SIGKILL, signal="SIGKILL",
+                                message=message if r is lost[0]
+                                else "it was on the same node"))
+        self.stop(signal.SIGTERM)
 
     def start_failed(self, token: int, reason: str) -> None:
         r = self.ranks[token]
@@ -305,15 +335,17 @@ class RankGroup:
         """Deliver `signo` to these ranks' processes (not their groups). Any thread:
         under the lock, a fork-mode rank is not reaped meanwhile, so its pid is its."""
         with self.lock:
-            pids = [r.pid for r in ranks if r.signalable]
-            if pids:
-                self.spawner.signal_ranks(signo, pids)
+            ranks = [r for r in ranks if r.signalable]
+            if ranks:
+                self.spawner.signal_ranks(signo, [r.pid for r in ranks],
+                                          tokens=[self.ranks.index(r) for r in ranks])
 
     def _signal(self, signo: int, ranks) -> None:
         """`signo` to each rank's whole process group (its descendants too)."""
-        pids = [r.pid for r in ranks if r.pid is not None]
-        if pids:
-            self.spawner.signal_groups(signo, pids)
+        ranks = [r for r in ranks if r.pid is not None]
+        if ranks:
+            self.spawner.signal_groups(signo, [r.pid for r in ranks],
+                                       tokens=[self.ranks.index(r) for r in ranks])
 
     def _unregister(self, fileobj) -> None:
         try:

@@ -68,7 +68,7 @@ def local_failures(group: RankGroup) -> List[RankFailure]:
     failures = sorted(group.failures, key=lambda f: (f.timestamp or 0.0))
     for f in failures:
         if f.pid is not None and f.stderr_tail is None:
-            f.stderr_tail = _stderr_tail(group, f.local_rank) or None
+            f.stderr_tail = _stderr_tail(group, f.rank) or None
     return failures
 
 
@@ -77,11 +77,14 @@ def first_error(group: RankGroup, failures: List[RankFailure]):
     raised."""
     if not failures:
         return None
-    return group.ranks[failures[0].local_rank].error
+    r = group.state_of(failures[0].rank)
+    return r.error if r is not None else None
 
 
-def _stderr_tail(group: RankGroup, local_rank: int) -> str:
-    r = group.ranks[local_rank]
+def _stderr_tail(group: RankGroup, rank: int) -> str:
+    r = group.state_of(rank)
+    if r is None:
+        return ""
     text = r.err.tail_text()
     if r.error is not None and r.error.traceback:
         # The traceback travels as the error's __cause__; do not repeat it.

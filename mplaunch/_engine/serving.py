@@ -17,6 +17,7 @@ rank's side, and the ranks unpickle them by reference without loading this one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 from . import servers, signals
 from .attempt import Attempt
-from .config import LaunchConfig, with_streams
+from . import remote
+from .config import LaunchConfig, rank_specs, with_streams
 from .heal import CallDriver, consequences_last, what_was_kept
 from .outcome import error_for, results_or_raise
 from .session import Session
@@ -36,6 +38,18 @@ from .._wire.stacks import RankStacks
 from ..errors import MainProcessError
 
 log = logging.getLogger("mplaunch")
+
+
+@dataclass(frozen=True)
+class NodesPlan:
+    """A World across nodes: `nnodes` agents started by `starter` (one SLURM step by
+    default: _engine.remote), reaching this process at `address`; `gpus` and `cpus`
+    are the placement each node applies to its own ranks."""
+    nnodes: int
+    address: str
+    gpus: object = None
+    cpus: object = None
+    starter: Optional[Callable] = None
 
 
 @dataclass(frozen=True)
@@ -53,8 +67,10 @@ class Serving:
     runs one call at a time (``request_stop`` and ``stacks`` excepted)."""
 
     def __init__(self, cfg: LaunchConfig, backend: Optional[str], heal: bool,
-                 calls: RankCalls):
+                 calls: RankCalls, nodes: Optional[NodesPlan] = None):
         self.cfg = cfg
+        self.nodes = nodes
+        self.hub = None               # a World across nodes: its agents (_engine.remote)
         self.backend = backend
         self.heal = heal
         self.calls = calls
@@ -91,13 +107,19 @@ class Serving:
         cfg = with_streams(self.cfg)
         stack = contextlib.ExitStack()
         try:
+            make_spawner = None
+            if self.nodes is not None:
+                hub = self._nodes_hub()
+                make_spawner = lambda c, events: remote.RemoteSpawner(c, events, hub)  # noqa: E731
             # The first "call" is the set-up: the ranks start from it.
             session = stack.enter_context(
-                Session(cfg, dumps_payload(self.calls.setup, (self.backend,), {})))
+                Session(cfg, dumps_payload(self.calls.setup, (self.backend,), {}),
+                        local_server=self.nodes is None))
             session.wait_server()
-            attempt = Attempt(cfg, self._generation,
-                              session.specs(self._generation, serve=True),
-                              session.payload_fd, session.waker)
+            specs = (session.specs(self._generation, serve=True) if self.nodes is None
+                     else self._node_specs(session))
+            attempt = Attempt(cfg, self._generation, specs, session.payload_fd,
+                              session.waker, make_spawner=make_spawner)
             self._generation += 1
             stack.callback(attempt.group.close)
             attempt.group.start()
@@ -114,12 +136,50 @@ class Serving:
         self.attempt = self._stack = None
         if attempt is None:
             return
-        self.fresh = [self.cfg.global_rank(i) for i in range(self.cfg.nprocs)]
+        self.fresh = list(range(self.cfg.world_size))
         try:
             attempt.group.stop()
             attempt.drive()
         finally:
             stack.close()            # the group, then the session
+            if self.hub is not None and self.hub.broken:
+                self.close_nodes()   # a node is lost: the next call starts a new step
+
+    # -- a World across nodes ----------------------------------------------------------
+    def _nodes_hub(self):
+        hub = self.hub
+        if hub is not None and hub.broken:
+            self.close_nodes()
+            hub = None
+        if hub is None:
+            plan = self.nodes
+            hub = remote.Hub(plan.nnodes, plan.address, self.cfg, plan.gpus, plan.cpus,
+                             plan.starter).start()
+            self.hub = hub
+        return hub
+
+    def _node_specs(self, session: Session) -> list:
+        """Every node's rank specs: each with its node's environment, name and
+        placement (what its agent reported)."""
+        hosted = session.hosted
+        specs = []
+        for info in self.hub.nodes:
+            cfg = dataclasses.replace(self.cfg, node_rank=info.index, gpus=info.gpus,
+                                      cpus=info.placed_cpus)
+            specs += rank_specs(cfg, self._generation, hosted.port, hosted.address,
+                                serve=True, base=info.environ, host=info.name)
+        return specs
+
+    @property
+    def nodes_info(self) -> list:
+        hub = self.hub
+        return hub.nodes if hub is not None else []
+
+    def close_nodes(self) -> None:
+        """End the nodes' agents and their step (a World's close())."""
+        hub, self.hub = self.hub, None
+        if hub is not None:
+            hub.close()
 
     # -- a call ----------------------------------------------------------------------
     def call(self, payload: bytes, timeout: Optional[float]) -> list:
@@ -199,7 +259,7 @@ class Serving:
         answered (or died): replace the dead ones, rebuild the process group if the
         ranks disagree about it; what the world kept, said for the error."""
         group = self.attempt.group
-        dead = [r.local_rank for r in group.ranks if not r.alive]
+        dead = [i for i, r in enumerate(group.ranks) if not r.alive]
         live = [r for r in group.ranks if r.alive]
         try:
             states = self._control(self.calls.group_state, (), live)

@@ -19,8 +19,10 @@ class Session:
     """Use as a context manager; ``payload_fd``, ``waker`` and ``hosted`` (the store,
     its port and address) are there inside it."""
 
-    def __init__(self, cfg: LaunchConfig, payload: bytes):
+    def __init__(self, cfg: LaunchConfig, payload: bytes, local_server: bool = True):
         self.cfg = cfg
+        # A World across nodes starts no server here: each node's agent has its own.
+        self.local_server = local_server
         self._payload = payload
         self.payload_fd: int = -1
         self.waker: Optional[signals.Waker] = None
@@ -39,7 +41,8 @@ class Session:
                 servers.own_fd(fd)
                 stack.callback(servers.disown_fd, fd)
             # A cold server imports torch while the store comes up; wait_server() waits.
-            servers.get_server(self.cfg.server_preload)
+            if self.local_server:
+                servers.get_server(self.cfg.server_preload)
             self.hosted = stack.enter_context(store.hosted(self.cfg))
         except BaseException:
             stack.close()
@@ -52,7 +55,8 @@ class Session:
     def wait_server(self) -> None:
         """Block until the server has imported its preloads: that time is not the
         ranks' to lose (a timeout starts after it)."""
-        servers.get_server(self.cfg.server_preload).wait_ready()
+        if self.local_server:
+            servers.get_server(self.cfg.server_preload).wait_ready()
 
     def specs(self, number: int, serve: bool = False) -> List[RankSpec]:
         """This node's rank specs for attempt (or World generation) `number`."""

@@ -77,11 +77,12 @@ class ServerSpawner:
         """Block for one report of the server and hand it to the group."""
         self._on_channel(self.channel)
 
-    def signal_groups(self, signo: int, pids: Sequence[int]) -> None:
-        """`signo` to each rank and its whole process group."""
+    def signal_groups(self, signo: int, pids: Sequence[int], tokens=()) -> None:
+        """`signo` to each rank and its whole process group (`tokens` name the same
+        ranks, for a spawner that knows them by token)."""
         self._send(SignalGroups(signo, tuple(pids)))
 
-    def signal_ranks(self, signo: int, pids: Sequence[int]) -> None:
+    def signal_ranks(self, signo: int, pids: Sequence[int], tokens=()) -> None:
         """`signo` to these ranks' processes alone (not their groups)."""
         self._send(SignalRanks(signo, tuple(pids)))
 
@@ -180,7 +181,7 @@ class ForkSpawner(ServerSpawner):
     def pump(self) -> None:
         raise AssertionError("fork ranks have their pids at once")
 
-    def signal_groups(self, signo: int, pids: Sequence[int]) -> None:
+    def signal_groups(self, signo: int, pids: Sequence[int], tokens=()) -> None:
         for pid in pids:
             # Our own children, not yet reaped: their pids are still theirs.
             self._descendants.update(linux.descendants_of(pid))
@@ -189,7 +190,7 @@ class ForkSpawner(ServerSpawner):
         for pid in self._descendants:
             linux.kill_quiet(pid, signo)
 
-    def signal_ranks(self, signo: int, pids: Sequence[int]) -> None:
+    def signal_ranks(self, signo: int, pids: Sequence[int], tokens=()) -> None:
         with self.lock:  # not reaped meanwhile (the caller checked they are alive)
             for pid in pids:
                 linux.kill_quiet(pid, signo)

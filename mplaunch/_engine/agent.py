@@ -1,0 +1,369 @@
+"""A node's agent in a World across nodes: started once per node by the World's one
+SLURM step (``python -m mplaunch._engine.agent``), it connects back to the launching
+process, proves it holds the World's secret (_wire.auth), and then starts, signals and
+reaps that node's ranks from a warm server of its own, as the launching process does on
+one node. Each rank's fds (its result channel, output pipes and stack socket) end here,
+and travel to the launching process as frames on the one connection (_wire.tunnel),
+where _engine.remote turns them back into fds: the launching process drives remote
+ranks with the code that drives local ones.
+
+The agent runs only what an authenticated launching process sends; it reads its
+address and the secret from its environment (MPLAUNCH_WORLD_ADDR, MPLAUNCH_WORLD_SECRET),
+removes the secret from it before anything starts, and ends, with every rank it
+started, when the connection ends: nothing of it outlives the World.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from typing import Dict, Optional
+
+from . import devices, servers, spawners
+from .env import allowed_cpus
+from .output import read_pipe
+from .._wire import auth, linux, tunnel
+from .._wire.channel import FramedReader, send_framed
+
+log = logging.getLogger("mplaunch.agent")
+ADDR_ENV = "MPLAUNCH_WORLD_ADDR"
+NODE_ENV = "MPLAUNCH_NODE_INDEX"
+
+
+def node_index(environ=os.environ) -> int:
+    """This agent's node: given by whoever started it, else SLURM's node id in the step
+    (one task per node), else its task id."""
+    for name in (NODE_ENV, "SLURM_NODEID", "SLURM_PROCID"):
+        value = environ.get(name)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 0
+
+
+def node_name(environ=os.environ) -> str:
+    return environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+class _Rank:
+    __slots__ = ("token", "pid", "reader", "out", "err", "stack")
+
+    def __init__(self, token: int):
+        self.token = token
+        self.pid: Optional[int] = None
+        self.reader: Optional[FramedReader] = None
+        self.out = self.err = None
+        self.stack: Optional[socket.socket] = None
+
+
+class Agent:
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.sel = selectors.DefaultSelector()
+        self.cfg = None
+        self.spawner = None
+        self.ranks: Dict[int, _Rank] = {}
+        self.by_pid: Dict[int, int] = {}
+        self.done = False
+
+    # -- the loop --------------------------------------------------------------------
+    def serve(self) -> None:
+        self.sel.register(self.sock, selectors.EVENT_READ, self._on_front)
+        while not self.done:
+            for key, _ in self.sel.select():
+                key.data(key.fileobj)
+                if self.done:
+                    break
+
+    def _send(self, kind: int, token: int = 0, body=b"") -> None:
+        try:
+            tunnel.send(self.sock, kind, token, body)
+        except OSError:
+            self.done = True    # the launching process is gone: the loop ends
+
+    def _on_front(self, sock) -> None:
+        try:
+            frame = tunnel.recv(sock)
+        except OSError:
+            frame = None
+        if frame is None:
+            log.info("mplaunch agent: the launching process closed the connection")
+            self.done = True
+            return
+        kind, token, body = frame
+        handler = _FRONT.get(kind)
+        if handler is None:
+            log.warning("mplaunch agent: unknown frame kind %d ignored", kind)
+            return
+        handler(self, token, body)
+
+    # -- what the launching process asks -----------------------------------------------
+    def _config(self, _token, body) -> None:
+        """The World's configuration: start the warm server and place the ranks."""
+        cfg, gpus, cpus = body
+        self.cfg = cfg
+        try:
+            placement = devices.place(cfg.nprocs, gpus, cpus, cfg.backend, os.environ,
+                                      allowed_cpus())
+            servers.get_server(cfg.server_preload).wait_ready()
+        except Exception as exc:  # noqa: BLE001 - said to the launching process
+            self._send(tunnel.READY, 0, {"error": f"{type(exc).__name__}: {exc}"})
+            return
+        self._send(tunnel.READY, 0, {"gpus": placement.gpus, "cpus": placement.cpus})
+
+    def _open(self, _token, _body) -> None:
+        self.spawner = spawners.for_config(self.cfg, self)
+        self.spawner.open(self.sel)
+
+    def _start(self, token, body) -> None:
+        spec, blobs = body
+        r = _Rank(token)
+        payload = linux.memfd_with(blobs[0], "mplaunch-payload")
+        res_ours, res_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        stack_ours, stack_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for fd in (out_r, err_r):
+            os.set_blocking(fd, False)
+        r.reader = FramedReader(res_ours)
+        r.out, r.err, r.stack = out_r, err_r, stack_ours
+        self.ranks[token] = r
+        try:
+            self.spawner.start(token, spec, [payload, res_child.fileno(), out_w, err_w,
+                                             stack_child.fileno()])
+        finally:
+            res_child.close()
+            stack_child.close()
+            linux.close_quiet(payload, out_w, err_w)
+        self.sel.register(res_ours, selectors.EVENT_READ, lambda _s, r=r: self._from_rank(r))
+        self.sel.register(out_r, selectors.EVENT_READ,
+                          lambda _f, r=r: self._output(r, "out"))
+        self.sel.register(err_r, selectors.EVENT_READ,
+                          lambda _f, r=r: self._output(r, "err"))
+        self.sel.register(stack_ours, selectors.EVENT_READ,
+                          lambda _s, r=r: self._from_stack(r))
+
+    def _to_rank(self, token, body) -> None:
+        r = self.ranks.get(token)
+        data, blobs = body
+        fds = tunnel.memfds(blobs)
+        try:
+            if r is not None and r.reader is not None:
+                r.reader.sock.setblocking(True)
+                try:
+                    send_framed(r.reader.sock, data, fds)
+                finally:
+                    r.reader.sock.setblocking(False)
+        except OSError:
+            pass    # the rank is gone: its exit says so
+        finally:
+            linux.close_quiet(*fds)
+
+    def _to_stack(self, token, body) -> None:
+        r = self.ranks.get(token)
+        if r is not None and r.stack is not None:
+            try:
+                r.stack.sendall(body)
+            except OSError:
+                pass
+
+    def _pids(self, tokens):
+        return [self.ranks[t].pid for t in tokens
+                if t in self.ranks and self.ranks[t].pid is not None]
+
+    def _signal_groups(self, _token, body) -> None:
+        signo, tokens = body
+        pids = self._pids(tokens)
+        if pids and self.spawner is not None:
+            self.spawner.signal_groups(signo, pids)
+
+    def _signal_ranks(self, _token, body) -> None:
+        signo, tokens = body
+        pids = self._pids(tokens)
+        if pids and self.spawner is not None:
+            self.spawner.signal_ranks(signo, pids)
+
+    def _sweep(self, _token, _body) -> None:
+        if self.spawner is not None:
+            self.spawner.sweep()
+        self._send(tunnel.SWEPT)
+
+    def _close_group(self, _token, _body) -> None:
+        self.close_group()
+        self._send(tunnel.CLOSED)
+
+    def _bye(self, _token, _body) -> None:
+        self.done = True
+
+    def close_group(self) -> None:
+        """Kill what is left of the group's ranks (the server kills them when their
+        channel closes), send the rest of their output, close their fds."""
+        spawner, self.spawner = self.spawner, None
+        if spawner is not None:
+            spawner.close()
+            spawner.events = None
+        end = time.monotonic() + 2.0
+        for r in list(self.ranks.values()):
+            self._from_rank(r)
+            for which in ("out", "err"):
+                while getattr(r, which) is not None and time.monotonic() < end:
+                    if not self._output(r, which, wait=0.1):
+                        break
+            self._forget(r)
+        self.ranks.clear()
+        self.by_pid.clear()
+
+    def _forget(self, r: _Rank) -> None:
+        for obj in (r.reader.sock if r.reader is not None else None, r.out, r.err, r.stack):
+            if obj is None:
+                continue
+            try:
+                self.sel.unregister(obj)
+            except (KeyError, ValueError):
+                pass
+        if r.reader is not None:
+            r.reader.close()
+            r.reader = None
+        linux.close_quiet(*(fd for fd in (r.out, r.err) if fd is not None))
+        r.out = r.err = None
+        if r.stack is not None:
+            r.stack.close()
+            r.stack = None
+
+    # -- what the ranks and the server say ---------------------------------------------
+    def _from_rank(self, r: _Rank) -> None:
+        if r.reader is None:
+            return
+        for data, fds in r.reader.read_available():
+            self._send(tunnel.FROM_RANK, r.token, (data, tunnel.fd_contents(fds)))
+        if r.reader.eof:
+            try:
+                self.sel.unregister(r.reader.sock)
+            except (KeyError, ValueError):
+                pass
+
+    def _output(self, r: _Rank, which: str, wait: float = 0.0) -> bool:
+        """Forward what the pipe holds; False once it is empty (or at EOF)."""
+        fd = getattr(r, which)
+        if fd is None:
+            return False
+        if wait:
+            sel = selectors.DefaultSelector()
+            sel.register(fd, selectors.EVENT_READ)
+            ready = sel.select(wait)
+            sel.close()
+            if not ready:
+                return False
+        chunk = read_pipe(fd)
+        if chunk is None:
+            return False
+        self._send(tunnel.OUT if which == "out" else tunnel.ERR, r.token, chunk)
+        if chunk == b"":
+            try:
+                self.sel.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+            linux.close_quiet(fd)
+            setattr(r, which, None)
+            return False
+        return True
+
+    def _from_stack(self, r: _Rank) -> None:
+        try:
+            chunk = r.stack.recv(1 << 16)
+        except OSError:
+            chunk = b""
+        self._send(tunnel.FROM_STACK, r.token, chunk)
+        if not chunk:
+            try:
+                self.sel.unregister(r.stack)
+            except (KeyError, ValueError):
+                pass
+
+    # the spawner's events (it reports to us as to a RankGroup)
+    def started(self, token: int, pid: int) -> None:
+        r = self.ranks.get(token)
+        if r is not None:
+            r.pid = pid
+            self.by_pid[pid] = token
+        self._send(tunnel.STARTED, token, pid)
+
+    def exited(self, pid: int, status: int, max_rss=None, note=None) -> None:
+        token = self.by_pid.pop(pid, None)
+        if token is None:
+            return
+        r = self.ranks.get(token)
+        if r is not None:
+            self._from_rank(r)   # all it sent goes before its exit
+        self._send(tunnel.EXITED, token, (status, max_rss, note))
+
+    def start_failed(self, token: int, reason: str) -> None:
+        self._send(tunnel.START_FAILED, token, reason)
+
+    def server_lost(self, pid, how: str) -> None:
+        self._send(tunnel.SERVER_LOST, 0, f"mplaunch's server on this node (pid {pid}) "
+                                          f"{how}")
+
+
+_FRONT = {
+    tunnel.CONFIG: Agent._config, tunnel.OPEN: Agent._open, tunnel.START: Agent._start,
+    tunnel.TO_RANK: Agent._to_rank, tunnel.TO_STACK: Agent._to_stack,
+    tunnel.SIGNAL_GROUPS: Agent._signal_groups, tunnel.SIGNAL_RANKS: Agent._signal_ranks,
+    tunnel.SWEEP: Agent._sweep, tunnel.CLOSE_GROUP: Agent._close_group,
+    tunnel.BYE: Agent._bye,
+}
+
+
+def connect(addr: str, secret: str, timeout: float = 30.0) -> socket.socket:
+    host, _, port = addr.rpartition(":")
+    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+    try:
+        auth.prove(sock, secret, server=False, timeout=timeout)
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    tunnel.keepalive(sock)
+    return sock
+
+
+def _terminate(signo, _frame) -> None:
+    raise SystemExit(128 + signo)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"mplaunch agent on {node_name()}: %(message)s")
+    # Taken before anything else starts: neither the server nor the ranks inherit it.
+    secret = os.environ.pop(auth.SECRET_ENV, None)
+    addr = os.environ.pop(ADDR_ENV, None)
+    if not secret or not addr:
+        log.error("started without %s and %s in its environment: an agent is started "
+                  "by mplaunch.World(nnodes=...), not by hand", auth.SECRET_ENV, ADDR_ENV)
+        return 2
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the launching process decides
+    try:
+        sock = connect(addr, secret)
+    except (OSError, auth.AuthError) as exc:
+        log.error("could not join the World at %s: %s", addr, exc)
+        return 1
+    agent = Agent(sock)
+    info = {"node": node_index(), "name": node_name(), "host": socket.gethostname(),
+            "pid": os.getpid(), "environ": dict(os.environ), "cpus": allowed_cpus()}
+    try:
+        tunnel.send(sock, tunnel.HELLO, 0, info)
+        agent.serve()
+    finally:
+        agent.close_group()
+        sock.close()
+        servers.shutdown_servers()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
