@@ -58,8 +58,9 @@ def error_for(attempt, ending: Ending) -> WorkerError:
                             ending.time_limit, ending.stacks,
                             summarize_stacks(ending.stacks))
     else:
-        err = WorkerError(failures, note=f"[on node {cfg.node_rank}]"
-                          if cfg.nnodes > 1 else None)
+        # The failing rank's node: this one for a launch, any for a World across nodes.
+        node = failures[0].node_rank if failures else cfg.node_rank
+        err = WorkerError(failures, note=f"[on node {node}]" if cfg.nnodes > 1 else None)
     return _with_cause(err, first_error(group, failures))
 
 

@@ -250,7 +250,7 @@ class Serving:
         self.stop()
         if not quiet:
             log.warning("mplaunch.World: the failed call tore the world's %d ranks down; "
-                        "the next call starts fresh ranks", self.cfg.nprocs)
+                        "the next call starts fresh ranks", self.cfg.world_size)
         return results_or_raise(attempt)
 
     # -- healing ---------------------------------------------------------------------
