@@ -85,6 +85,12 @@ def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     start.add_argument("nprocs", nargs="?", type=int, default=None,
                        help=f"number of ranks (default: the last size, else "
                             f"{DEFAULT_NPROCS})")
+    start.add_argument("--nodes", type=int, default=None, metavar="M",
+                       help="spread the ranks over M nodes of this SLURM allocation "
+                            "(NPROCS counts every rank; default 1)")
+    start.add_argument("--master-addr", default=None,
+                       help="with --nodes: this machine's address that the nodes reach "
+                            "(default: its host name's)")
     start.add_argument("--backend", "-b", default=None,
                        help="init_process_group backend of each rank: gloo (the default "
                             "where torch is installed), nccl, ..., or none")
@@ -194,7 +200,8 @@ class _Ranks:
 
     def status(self) -> str:
         s = self.settings
-        what = f"{s['nprocs']} ranks, backend {s['backend'] or 'none'}"
+        nodes = f" on {s['nnodes']} nodes" if s.get("nnodes", 1) > 1 else ""
+        what = f"{s['nprocs']} ranks{nodes}, backend {s['backend'] or 'none'}"
         if self.world is not None and self.world.pids:
             from ._placement_flags import placement_lines
             fresh = self.world.fresh_ranks   # replaced: their names are gone
@@ -214,7 +221,11 @@ class _Ranks:
             settings["nprocs"] = args.nprocs
         if args.backend is not None:
             settings["backend"] = None if args.backend.lower() == "none" else args.backend
-        for key in ("timeout", "grace_period", "log_dir", "heal"):
+        if args.nodes is not None:
+            if args.nodes < 1:
+                raise _Usage(f"%ranks start: --nodes must be at least 1, got {args.nodes}")
+            settings["nnodes"] = args.nodes
+        for key in ("timeout", "grace_period", "log_dir", "heal", "master_addr"):
             value = getattr(args, key)
             if value is not None:
                 settings[key] = value
@@ -321,7 +332,9 @@ class _Ranks:
         world = World(nprocs, backend=backend, **s)
         world.start()
         self.world, self.torn_down = world, None
-        print(f"%ranks: {verb} {nprocs} ranks, backend {backend or 'none'}: pids "
+        nodes = (f" on {world.nnodes} nodes ("
+                 f"{', '.join(n['name'] for n in world.nodes)})" if world.nnodes > 1 else "")
+        print(f"%ranks: {verb} {nprocs} ranks{nodes}, backend {backend or 'none'}: pids "
               f"{world.pids}")
 
     def _run(self, func, args: tuple, timeout: Optional[float], cell: bool = False):

@@ -67,6 +67,19 @@ def placement_lines(world) -> str:
 
     from ._engine.env import allowed_cpus
     cfg, pids = world.cfg, world.pids
+    nodes = world.nodes
+    if nodes:
+        # Across nodes: each node placed its own ranks, from what it has.
+        lines = []
+        for node in nodes:
+            placement = Placement(node["gpus"], node["cpus"])
+            for lr in range(cfg.nprocs):
+                rank = node["node"] * cfg.nprocs + lr
+                lines.append(
+                    f"  rank {rank} on node {node['node']} ({node['name']}, pid "
+                    f"{pids.get(rank)}): "
+                    f"{describe_rank(lr, cfg.backend, placement, node['environ'], node['allowed'])}")
+        return "\n".join(lines)
     placement = Placement(cfg.gpus, cfg.cpus)
     allowed = allowed_cpus()
     return "\n".join(f"  rank {lr} (pid {pids.get(lr)}): "

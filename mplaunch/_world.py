@@ -110,10 +110,14 @@ class World:
 
     @property
     def nodes(self) -> List[dict]:
-        """Across nodes: each node's index, name and agent pid, and its ranks' GPUs and
-        CPUs as its agent placed them ([] before the first run; one node: [])."""
+        """Across nodes: each node's index, name and agent pid, its ranks' GPUs and CPUs
+        as its agent placed them (None: not placed), the CPUs the agent may use and its
+        CUDA_VISIBLE_DEVICES ([] before the first run; one node: [])."""
         return [{"node": i.index, "name": i.name, "agent_pid": i.pid, "gpus": i.gpus,
-                 "cpus": i.placed_cpus} for i in self._engine.nodes_info]
+                 "cpus": i.placed_cpus, "allowed": i.cpus,
+                 "environ": {k: v for k, v in i.environ.items()
+                             if k == "CUDA_VISIBLE_DEVICES"}}
+                for i in self._engine.nodes_info]
 
     def stacks(self):
         """{rank: where it is now}, asked without stopping anything, from any thread

@@ -53,6 +53,7 @@ random number generators' states as they were at its first test.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import pytest
@@ -172,6 +173,18 @@ def _marker_options(item) -> dict:
     if callspec is not None and _SIZE in callspec.params:
         opts["nprocs"] = callspec.params[_SIZE]
     opts["preload"] = _preload_for(opts.get("preload"))
+    nodes_env = os.environ.get("MPLAUNCH_TEST_NNODES")
+    if opts.get("nnodes") is None and opts.get("reuse") and nodes_env:
+        try:
+            opts["nnodes"] = int(nodes_env)
+        except ValueError:
+            raise pytest.UsageError(f"MPLAUNCH_TEST_NNODES must be an int, got "
+                                    f"{nodes_env!r}") from None
+    if opts.get("nnodes") not in (None, 1) and not opts.get("reuse"):
+        raise pytest.UsageError(
+            f"{item.nodeid}: nnodes={opts['nnodes']} runs the test in a World across the "
+            "nodes of this SLURM allocation, which is kept for the next tests: mark it "
+            "reuse=True too")
     return opts
 
 
