@@ -15,8 +15,8 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVa
 import dataclasses
 import socket
 
-from ._engine.config import (DEFAULT_PREFIX, LaunchConfig, check_call, placement_args,
-                             seconds, validate)
+from ._engine.config import (DEFAULT_PREFIX, LaunchConfig, check_call,  # noqa: F401
+                             placement_args, seconds, validate)
 from ._engine.serving import NodesPlan, RankCalls, Serving
 from ._rank import heal, procgroup
 from ._wire.payload import dumps_payload

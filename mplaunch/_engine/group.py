@@ -84,10 +84,7 @@ class RankGroup:
 
     def state_of(self, rank: int) -> Optional[RankState]:
         """The RankState of global rank `rank`, if this group holds it."""
-        for r in self.ranks:
-            if r.spec.rank == rank:
-                return r
-        return None
+        return next((r for r in self.ranks if r.spec.rank == rank), None)
 
     # -- starting --------------------------------------------------------------------
     def start(self) -> None:
@@ -139,19 +136,11 @@ class RankGroup:
             self._signal(self.teardown.signal, [r])
 
     def exited(self, pid: int, status: int, max_rss: Optional[int] = None,
-               note: Optional[str] = None) -> None:
-        """`note`: what the kernel says of its death (the OOM killer), if anything."""
-        r = self._by_pid.get(pid)
-        if r is not None and r.alive:
-            r.max_rss, r.exit_note = max_rss, note
-            self._on_exit(r, status)
-
-    def exited_token(self, token: int, status: int, max_rss: Optional[int] = None,
-                     note: Optional[str] = None) -> None:
-        """As exited(), for a spawner that knows its ranks by token (pids of several
-        nodes may be the same number)."""
-        r = self.ranks[token]
-        if r.alive and r.pid is not None:
+               note: Optional[str] = None, token: Optional[int] = None) -> None:
+        """`note`: what the kernel says of its death (the OOM killer), if anything.
+        `token` names the rank for a spawner whose pids may repeat (several nodes')."""
+        r = self.ranks[token] if token is not None else self._by_pid.get(pid)
+        if r is not None and r.alive and r.pid is not None:
             r.max_rss, r.exit_note = max_rss, note
             self._on_exit(r, status)
 

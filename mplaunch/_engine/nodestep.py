@@ -1,0 +1,115 @@
+"""Starting and ending a World's one step of node agents (_engine.agent): where SLURM
+is asked for it, how the launching process listens for the agents."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from typing import Dict, List, Optional, Sequence
+
+from . import servers
+
+log = logging.getLogger("mplaunch")
+
+AGENT_MODULE = "mplaunch._engine.agent"
+
+
+class NodesError(RuntimeError):
+    """The World's nodes could not be started or reached."""
+
+
+# -- starting the step -------------------------------------------------------------------
+
+def slurm_nodes_available(environ=os.environ) -> int:
+    """How many nodes this SLURM allocation has (0 outside one)."""
+    for name in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def check_allocation(nnodes: int, environ=os.environ) -> None:
+    """Before anything starts: inside an allocation with enough nodes, srun found."""
+    if "SLURM_JOB_ID" not in environ:
+        raise RuntimeError(
+            f"World(nnodes={nnodes}) starts one agent per node through SLURM, and this "
+            "process is not inside a SLURM allocation (SLURM_JOB_ID is not set): run it "
+            "in an salloc shell, a batch script, or a Jupyter server started inside the "
+            "allocation")
+    have = slurm_nodes_available(environ)
+    if have and nnodes > have:
+        raise ValueError(f"World(nnodes={nnodes}): this allocation (job "
+                         f"{environ['SLURM_JOB_ID']}) has {have} node(s); ask for fewer, "
+                         f"or allocate more (salloc -N {nnodes})")
+    if shutil.which("srun") is None:
+        raise RuntimeError(f"World(nnodes={nnodes}) needs SLURM's srun on PATH")
+
+
+def srun_argv(nnodes: int, agent_argv: Sequence[str], environ=os.environ) -> List[str]:
+    """The World's one step: one agent per node, sharing the allocation with the steps
+    already running (``--overlap``: the kernel's own step may hold every CPU), not
+    killed when one task fails (the launching process decides), unbuffered."""
+    argv = ["srun", "--overlap", f"--nodes={nnodes}", f"--ntasks={nnodes}",
+            "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--wait=0", "-u",
+            "--input=none", "--job-name=mplaunch-world"]
+    cpus = environ.get("SLURM_CPUS_ON_NODE", "")
+    if cpus.isdigit():
+        # The ranks may use the node's CPUs, not the one CPU a task gets by default.
+        argv.append(f"--cpus-per-task={cpus}")
+    return argv + list(agent_argv)
+
+
+def start_srun_step(agent_argv: Sequence[str], env: Dict[str, str], nnodes: int,
+                    output) -> subprocess.Popen:
+    """The default way of starting the agents: one srun step, in a session of its own
+    (a Ctrl-C at the terminal is the launching process's to handle; a second one would
+    make srun cancel the step)."""
+    return subprocess.Popen(srun_argv(nnodes, agent_argv, env), env=env,
+                            stdin=subprocess.DEVNULL, stdout=output, stderr=output,
+                            start_new_session=True)
+
+
+def end_step(step: subprocess.Popen, grace: float) -> None:
+    """The agents end when their connection does, and the step with them; a step still
+    there after `grace` is ended by SLURM (srun forwards SIGTERM to its tasks), then
+    killed."""
+    try:
+        step.wait(grace)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    for signo, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            step.send_signal(signo)
+            step.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            return
+    log.warning("mplaunch: the World's srun step (pid %d) did not end", step.pid)
+
+
+def listen(address: str) -> socket.socket:
+    infos = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)
+    last: Optional[OSError] = None
+    for family, kind, proto, _name, sockaddr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.bind(sockaddr)
+            sock.listen(64)
+            servers.own_socket(sock)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+    raise NodesError(f"cannot listen on {address!r} for the World's node agents: {last}; "
+                     "give master_addr= an address of this machine that the nodes reach")
+
+
+def join_addr(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
