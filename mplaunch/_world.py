@@ -197,15 +197,15 @@ def _across_nodes(nprocs, nnodes, backend, options, starter):
     if not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1:
         raise ValueError(f"nnodes must be an int >= 1 (the nodes of this allocation the "
                          f"World spans), got {nnodes!r}")
+    for name in ("node_rank", "nnodes"):
+        if options.get(name) is not None:
+            raise TypeError(f"World(nnodes=...) places its nodes itself; leave {name} out")
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < nnodes \
             or nprocs % nnodes:
         raise ValueError(
             f"World(nprocs={nprocs!r}, nnodes={nnodes}): nprocs counts every rank of the "
             f"World, and each node runs nprocs // nnodes of them; give a multiple of "
             f"{nnodes}, such as nprocs={2 * nnodes}")
-    for name in ("node_rank", "nnodes"):
-        if options.get(name) is not None:
-            raise TypeError(f"World(nnodes=...) places its nodes itself; leave {name} out")
     if options.get("start_method") == "fork":
         raise ValueError("start_method='fork' cannot start ranks on other nodes; each "
                          "node's agent starts its ranks with 'forkserver' (the default) "

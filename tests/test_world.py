@@ -219,13 +219,19 @@ def test_close_is_idempotent_and_a_closed_world_refuses_to_run():
     ({"nprocs": 0}, ValueError, "nprocs"),
     ({"backend": 5}, TypeError, "backend"),
     ({"max_restarts": 1}, ValueError, "max_restarts"),
+    # across nodes: checked before any step or agent starts
     ({"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": 29400},
-     ValueError, "one node"),
+     TypeError, "leave node_rank out"),
+    ({"nprocs": 3, "nnodes": 2}, ValueError, "multiple of 2"),
+    ({"nprocs": 4, "nnodes": 0}, ValueError, "nnodes must be an int >= 1"),
+    ({"nprocs": 4, "nnodes": 2, "start_method": "fork"}, ValueError, "forkserver"),
+    ({"nprocs": 4, "nnodes": 2}, RuntimeError, "not inside a SLURM allocation"),
     ({"kwargs": {"a": 1}}, TypeError, "kwargs"),
     ({"start_method": "threads"}, ValueError, "start_method"),
     ({"timeout": -1}, ValueError, "timeout"),
 ])
-def test_bad_world_arguments_raise_at_once(kwargs, exc, match):
+def test_bad_world_arguments_raise_at_once(kwargs, exc, match, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     with pytest.raises(exc, match=match):
         mplaunch.World(**kwargs)
 
