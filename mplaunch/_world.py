@@ -63,6 +63,7 @@ class World:
                             f"False (tear them down), got {heal!r}")
         self.heal = heal
         starter = options.pop("_starter", None)   # tests: agents started another way
+        self._made_with = (backend, dict(options), starter)   # for restart(nnodes=)
         nodes = None
         if nnodes is not None and nnodes != 1:
             self.cfg, nodes = _across_nodes(nprocs, nnodes, backend, options, starter)
@@ -151,11 +152,28 @@ class World:
             self.start()
             return self._engine.call(payload, timeout)
 
-    def restart(self) -> "World":
-        """End the ranks and start fresh ones."""
+    def restart(self, nnodes: Optional[int] = None,
+                nprocs: Optional[int] = None) -> "World":
+        """End the ranks and start fresh ones. Across nodes, ``nnodes=M`` re-forms the
+        World on M nodes (with as many ranks per node, unless ``nprocs`` says how many
+        in all) in a new step: after a node was lost in an allocation made with
+        ``--no-kill``, the nodes that remain (see :ref:`world-across-nodes`)."""
         with self._lock:
             self._engine.stop()
+            if nnodes is not None or nprocs is not None:
+                self._reform(nnodes if nnodes is not None else self.nnodes, nprocs)
             return self.start()
+
+    def _reform(self, nnodes: int, nprocs: Optional[int]) -> None:
+        if self._engine.nodes is None:
+            raise ValueError("restart(nnodes=, nprocs=) re-forms a World across nodes; "
+                             "make a new World to change a one-node World's size")
+        backend, options, starter = self._made_with
+        total = nprocs if nprocs is not None else self.cfg.nprocs * nnodes
+        cfg, plan = _across_nodes(total, nnodes, backend, dict(options), starter)
+        self._engine.close_nodes()
+        self.cfg = cfg
+        self._engine = Serving(cfg, backend, self.heal, _CALLS, plan)
 
     def close(self) -> None:
         """End every rank and release the store's port. Idempotent; from another thread
