@@ -172,7 +172,13 @@ class Pump:
             fds = tunnel.memfds(blobs)
             try:
                 if proxy is not None and proxy.res is not None:
-                    send_framed(proxy.res, data, fds)
+                    # The reader's dup made the socket non-blocking; a result larger
+                    # than the socket's buffer is written whole (the group reads it).
+                    proxy.res.setblocking(True)
+                    try:
+                        send_framed(proxy.res, data, fds)
+                    finally:
+                        proxy.res.setblocking(False)
             except OSError:
                 pass
             finally:
