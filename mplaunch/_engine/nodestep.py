@@ -56,11 +56,26 @@ def srun_argv(nnodes: int, agent_argv: Sequence[str], environ=os.environ) -> Lis
     argv = ["srun", "--overlap", f"--nodes={nnodes}", f"--ntasks={nnodes}",
             "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--wait=0", "-u",
             "--input=none", "--job-name=mplaunch-world"]
-    cpus = environ.get("SLURM_CPUS_ON_NODE", "")
-    if cpus.isdigit():
+    cpus = job_cpus_per_node(environ)
+    if cpus is not None:
         # The ranks may use the node's CPUs, not the one CPU a task gets by default.
         argv.append(f"--cpus-per-task={cpus}")
     return argv + list(agent_argv)
+
+
+def job_cpus_per_node(environ=os.environ) -> Optional[int]:
+    """The fewest CPUs the job has on any of its nodes: every task of the step can get
+    that many. SLURM_JOB_CPUS_PER_NODE reads like "4(x2),2" (4 on two nodes, 2 on the
+    third); SLURM_CPUS_ON_NODE (this node's) where it is missing."""
+    counts = []
+    for part in environ.get("SLURM_JOB_CPUS_PER_NODE", "").split(","):
+        head = part.strip().split("(")[0]
+        if head.isdigit():
+            counts.append(int(head))
+    if counts:
+        return min(counts)
+    here = environ.get("SLURM_CPUS_ON_NODE", "")
+    return int(here) if here.isdigit() else None
 
 
 def start_srun_step(agent_argv: Sequence[str], env: Dict[str, str], nnodes: int,

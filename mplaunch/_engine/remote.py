@@ -30,7 +30,7 @@ from .config import LaunchConfig
 from .nodepump import Pump, _Proxy
 from .nodestep import (AGENT_MODULE, NodesError, end_step, join_addr, listen,
                        srun_argv, start_srun_step)
-from .nodestep import check_allocation, slurm_nodes_available  # noqa: F401 - the API
+from .nodestep import check_allocation, slurm_nodes_available  # noqa: F401 (re-exported)
 from .._wire import auth, linux, tunnel
 from .._wire.spec import RankSpec
 
@@ -129,45 +129,42 @@ class Hub:
         return self
 
     def _accept(self, listener: socket.socket, secret: str) -> None:
+        """Every agent in, each having proved the secret. Each connection proves itself
+        in a thread of its own (_Joining): a client that connects and says nothing holds
+        up nobody but itself."""
         end = time.monotonic() + self.join_timeout
         links: Dict[int, Link] = {}
-        listener.settimeout(0.2)
-        while len(links) < self.nnodes:
-            if time.monotonic() > end:
-                raise NodesError(f"{len(links)} of the World's {self.nnodes} node agents "
-                                 f"joined within {self.join_timeout:g} s; "
-                                 f"{self._step_said()}")
-            if self.step.poll() is not None:
-                raise NodesError(f"the World's step of node agents ended (exit status "
-                                 f"{self.step.returncode}) before {self.nnodes} joined; "
-                                 f"{self._step_said()}")
-            try:
-                sock, peer = listener.accept()
-            except socket.timeout:
-                continue
-            try:
-                auth.prove(sock, secret, server=True, timeout=10.0)
-                sock.settimeout(30.0)
-                frame = tunnel.recv(sock)
-                if frame is None or frame[0] != tunnel.HELLO:
-                    raise auth.AuthError("no hello")
-                info = frame[2]
-                node = NodeInfo(int(info["node"]), str(info["name"]), str(info["host"]),
-                                int(info["pid"]), dict(info["environ"]), list(info["cpus"]))
-            except (OSError, auth.AuthError, ValueError, KeyError, TypeError) as exc:
-                self.dropped += 1
-                log.warning("mplaunch dropped a connection from %s to the World's agent "
-                            "port: %s", peer, exc)
-                sock.close()
-                continue
-            if node.index in links or not 0 <= node.index < self.nnodes:
-                sock.close()
-                raise NodesError(f"two agents (or one out of range) said they are node "
-                                 f"{node.index} of {self.nnodes}: is each node given one "
-                                 f"task? {self._step_said()}")
-            sock.settimeout(None)
-            tunnel.keepalive(sock)
-            links[node.index] = Link(sock, node)
+        joining = _Joining(secret, self)
+        listener.settimeout(0.1)
+        try:
+            while len(links) < self.nnodes:
+                if time.monotonic() > end:
+                    raise NodesError(f"{len(links)} of the World's {self.nnodes} node "
+                                     f"agents joined within {self.join_timeout:g} s; "
+                                     f"{self._step_said()}")
+                if self.step.poll() is not None:
+                    raise NodesError(f"the World's step of node agents ended (exit status "
+                                     f"{self.step.returncode}) before {self.nnodes} "
+                                     f"joined; {self._step_said()}")
+                try:
+                    joining.begin(*listener.accept())
+                except socket.timeout:
+                    pass
+                for sock, node in joining.joined():
+                    if node.index in links or not 0 <= node.index < self.nnodes:
+                        sock.close()
+                        raise NodesError(f"two agents (or one out of range) said they are "
+                                         f"node {node.index} of {self.nnodes}: is each node "
+                                         f"given one task? {self._step_said()}")
+                    sock.settimeout(None)
+                    tunnel.keepalive(sock)
+                    links[node.index] = Link(sock, node)
+        except BaseException:
+            for link in links.values():
+                link.sock.close()
+            raise
+        finally:
+            joining.end()
         self.links = [links[i] for i in range(self.nnodes)]
 
     def _configure(self) -> None:
@@ -231,6 +228,75 @@ class Hub:
         if self._step_log is not None:
             self._step_log.close()
             self._step_log = None
+
+
+class _Joining:
+    """Connections to the agent port proving themselves, each in a thread."""
+    MAX = 64    # more at once than any allocation's agents: refused at once
+
+    def __init__(self, secret: str, hub: "Hub"):
+        self.secret, self.hub = secret, hub
+        self.lock = threading.Lock()
+        self.pending: Dict[socket.socket, object] = {}
+        self.done: "queue.Queue" = queue.Queue()
+        self.over = False
+
+    def begin(self, sock: socket.socket, peer) -> None:
+        with self.lock:
+            if len(self.pending) >= self.MAX:
+                self._drop(sock, peer, "too many connections proving themselves at once")
+                return
+            self.pending[sock] = peer
+        threading.Thread(target=self._prove, args=(sock, peer), daemon=True,
+                         name="mplaunch-join").start()
+
+    def _drop(self, sock, peer, why) -> None:
+        self.hub.dropped += 1
+        log.warning("mplaunch dropped a connection from %s to the World's agent port: %s",
+                    peer, why)
+        sock.close()
+
+    def _prove(self, sock: socket.socket, peer) -> None:
+        try:
+            auth.prove(sock, self.secret, server=True, timeout=10.0)
+            sock.settimeout(30.0)
+            frame = tunnel.recv(sock)     # unpickled only now: the peer proved itself
+            if frame is None or frame[0] != tunnel.HELLO:
+                raise auth.AuthError("no hello after its proof")
+            info = frame[2]
+            node = NodeInfo(int(info["node"]), str(info["name"]), str(info["host"]),
+                            int(info["pid"]), dict(info["environ"]), list(info["cpus"]))
+        except (OSError, auth.AuthError, ValueError, KeyError, TypeError) as exc:
+            with self.lock:
+                self.pending.pop(sock, None)
+            self._drop(sock, peer, exc)
+            return
+        with self.lock:
+            self.pending.pop(sock, None)
+            if self.over:
+                sock.close()
+                return
+            self.done.put((sock, node))
+
+    def joined(self):
+        while True:
+            try:
+                yield self.done.get_nowait()
+            except queue.Empty:
+                return
+
+    def end(self) -> None:
+        """No more joining: the connections still proving themselves are cut."""
+        with self.lock:
+            self.over = True
+            pending = list(self.pending)
+        for sock in pending:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for sock, _node in self.joined():
+            sock.close()
 
 
 class RemoteSpawner:

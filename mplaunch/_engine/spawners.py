@@ -112,6 +112,9 @@ class ServerSpawner:
 
     def close(self) -> None:
         if self.channel is not None:
+            if self._sel is not None:
+                # A selector that outlives the group (a node agent's) must not keep it.
+                self._unregister(self.channel)
             self.channel.close()  # the server kills whatever of ours is still alive
 
     # -- internals -----------------------------------------------------------------------
