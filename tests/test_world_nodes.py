@@ -122,9 +122,11 @@ def say(word):
     return rank
 
 
-def sleep_in(flag_dir):
+def wait_for_go(flag_dir):
     open(os.path.join(flag_dir, f"in.{os.environ['RANK']}"), "w").close()
-    time.sleep(600)
+    while not os.path.exists(os.path.join(flag_dir, "go")):
+        time.sleep(0.02)
+    return "went"
 
 
 def fail_in_rank_three():
@@ -221,22 +223,24 @@ def test_output_is_relayed_with_each_ranks_node_and_stacks_name_every_rank(capfd
         stacks = w.stacks()
         assert sorted(stacks) == [0, 1, 2, 3]
 
-        # ... and from another thread while every rank is inside a call
+        # ... and from another thread while every rank, on both nodes, is in a call
         seen = {}
 
         def ask():
-            _wait_for([tmp_path / f"in.{r}" for r in range(4)])
-            seen.update(w.stacks())
+            try:
+                _wait_for([tmp_path / f"in.{r}" for r in range(4)])
+                seen.update(w.stacks())
+            finally:
+                (tmp_path / "go").touch()
 
         t = threading.Thread(target=ask)
         t.start()
         try:
-            with pytest.raises(mplaunch.LaunchTimeout):
-                w.run(sleep_in, (str(tmp_path),), timeout=8)
+            assert w.run(wait_for_go, (str(tmp_path),), timeout=60) == ["went"] * 4
         finally:
             t.join()
         assert sorted(seen) == [0, 1, 2, 3]
-        assert all("sleep_in" in seen[r] for r in range(4)), seen
+        assert all("wait_for_go" in seen[r] for r in range(4)), seen
 
 
 # -- 4. heal ----------------------------------------------------------------------------
@@ -509,35 +513,86 @@ def test_auth_refuses_a_peer_that_reflects_our_own_challenge_and_answer():
     assert "own challenge" in str(err) or "secret" in str(err)
 
 
-def _foreign_first(marker, sent):
-    """A starter that, before starting the agents, connects a foreign client to the
-    World's agent port and sends a pickle that would create `marker` if unpickled."""
+def _foreign_first(marker, sent, impostor):
+    """A starter that, before starting the agents, connects two foreign clients to the
+    World's agent port: one sends a pickle that would create `marker` if unpickled, the
+    other (in a thread: the World answers once the starter returns) runs the protocol
+    with a wrong secret; its outcome goes to `impostor`."""
     real = local_step.starter(wrap=named_nodes)
+
+    def wrong_secret(addr):
+        try:
+            with socket.create_connection(addr, timeout=30) as s:
+                auth.prove(s, "not the World's secret", server=False, timeout=30)
+            impostor.append("accepted")
+        except auth.AuthError as exc:
+            impostor.append(exc)
 
     def start(agent_argv, env, nnodes, output):
         host, _, port = env["MPLAUNCH_WORLD_ADDR"].rpartition(":")
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=5) as s:
+        addr = (host.strip("[]"), int(port))
+        sent.append(addr)
+        with socket.create_connection(addr, timeout=5) as s:
             s.sendall(pickle.dumps(_Boom(marker)).ljust(256, b"\0"))
-            sent.append(int(port))
+        t = threading.Thread(target=wrong_secret, args=(addr,))
+        t.start()
+        sent.append(t)
+        time.sleep(0.2)   # both are queued before the agents connect
         return real(agent_argv, env, nnodes, output)
     return start
 
 
-def test_a_foreign_client_on_the_agent_port_is_dropped_and_the_world_starts(tmp_path,
+def test_foreign_clients_on_the_agent_port_are_dropped_and_the_world_starts(tmp_path,
                                                                             caplog):
     caplog.set_level(logging.WARNING, logger="mplaunch")
     marker = tmp_path / "unpickled"
-    sent = []
-    with world(_starter=_foreign_first(marker, sent)) as w:
-        assert w.run(allreduce_sum) == [10.0] * 4
-        assert sent and w._engine.hub.dropped == 1
+    sent, impostor = [], []
+    with world(_starter=_foreign_first(marker, sent, impostor)) as w:
+        try:
+            assert w.run(allreduce_sum) == [10.0] * 4
+        finally:
+            if len(sent) > 1:
+                sent[1].join(30)
+        assert w._engine.hub.dropped == 2
+        assert len(impostor) == 1 and isinstance(impostor[0], auth.AuthError), impostor
         # every agent is in: the agent port is closed to anyone else
         with pytest.raises(ConnectionRefusedError):
-            socket.create_connection(("127.0.0.1", sent[0]), timeout=5).close()
+            socket.create_connection(sent[0], timeout=5).close()
         assert w.run(count_calls) == [1] * 4
+        assert [n["node"] for n in w.nodes] == [0, 1]
     dropped = [r for r in caplog.records if "dropped a connection" in r.getMessage()]
-    assert len(dropped) == 1, caplog.text
+    assert len(dropped) == 2, caplog.text
+    assert any("protocol" in r.getMessage() for r in dropped), caplog.text
+    assert any("secret" in r.getMessage() for r in dropped), caplog.text
     assert not marker.exists()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the Hub accepts and authenticates one connection at a time (remote.Hub._accept "
+    "calls auth.prove with a 10 s timeout before the next accept): a foreign client "
+    "that connects to the agent port and stays silent delays the World's start by 10 s, "
+    "and one that keeps doing so (12 times) makes it fail with NodesError after "
+    "JOIN_TIMEOUT (120 s), though the real agents are waiting in the backlog"))
+def test_a_silent_client_on_the_agent_port_does_not_hold_the_agents_up():
+    real = local_step.starter(wrap=named_nodes)
+    held = []
+
+    def start(agent_argv, env, nnodes, output):
+        host, _, port = env["MPLAUNCH_WORLD_ADDR"].rpartition(":")
+        held.append(socket.create_connection((host.strip("[]"), int(port)), timeout=5))
+        return real(agent_argv, env, nnodes, output)
+
+    try:
+        with world(_starter=start) as w:
+            begin = time.monotonic()
+            w.start()
+            took = time.monotonic() - begin
+            assert w.run(count_calls) == [1] * 4
+    finally:
+        for sock in held:
+            sock.close()
+    # a start is some 3 s here; the silent peer's proof times out after 10
+    assert took < 9.0, f"the World took {took:.1f} s to start"
 
 
 def test_junk_on_the_store_port_runs_nothing_and_the_world_keeps_working(tmp_path):
