@@ -173,14 +173,16 @@ def gloo_sockets():
             "peers": sorted([ip(c.laddr), ip(c.raddr)] for c in conns if c.raddr)}
 
 
-# -- 1. order, environment, collectives and state ----------------------------------------
+# -- 1., 5. order, environment, collectives, state; close ---
 
-def test_ranks_in_global_order_with_their_node_env_and_one_group(monkeypatch):
+def test_ranks_in_global_order_with_their_node_env_and_one_group_and_close_ends_all(
+        monkeypatch):
     # Inside a SLURM step the launching process's task variables describe it: each
     # rank must see its own, on every node, not the launching process's task 0.
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    with world() as w:
+    w = world()
+    try:
         results = w.run(whoami)
         assert len(w.nodes) == 2
         assert [n["node"] for n in w.nodes] == [0, 1]
@@ -208,6 +210,17 @@ def test_ranks_in_global_order_with_their_node_env_and_one_group(monkeypatch):
         assert w.run(count_calls) == [2] * 4       # the same processes, their globals
         assert w.run(allreduce_sum) == [10.0] * 4
         assert {r: p for r, (_, p, _, _, _) in enumerate(w.run(whoami))} == w.pids
+        # 5. what close() must end: the step, its agents, their warm servers (and any
+        # idle pre-forked children) and the ranks
+        step, tree = _tree(w)
+        assert set(servers) <= tree
+        assert len(tree) >= 1 + 2 + 2 + 4
+    finally:
+        w.close()
+    assert _alive(tree, timeout=0) == [], [
+        (p, _state(p)) for p in tree if _state(p) not in (None, "Z")]
+    assert w.pids == {} and w.nodes == []
+    w.close()   # idempotent
 
 
 # -- 2., 3. output and stacks ------------------------------------------------------------
@@ -374,24 +387,6 @@ def test_a_killed_agent_names_its_node_and_the_next_run_starts_a_fresh_step():
         new_step, _ = _tree(w)
         assert new_step != step
         assert w.run(allreduce_sum) == [10.0] * 4
-
-
-# -- 5. close ---------------------------------------------------------------------------
-
-def test_close_leaves_no_step_agent_server_or_rank_on_any_node():
-    w = world()
-    try:
-        assert w.run(allreduce_sum) == [10.0] * 4
-        step, tree = _tree(w)
-        servers = {psutil.Process(p).ppid() for p in w.pids.values()}
-        assert len(servers) == 2 and servers <= tree
-        assert len(tree) >= 1 + 2 + 2 + 4        # step, agents, servers, ranks
-    finally:
-        w.close()
-    assert _alive(tree, timeout=0) == [], [
-        (p, _state(p)) for p in tree if _state(p) not in (None, "Z")]
-    assert w.pids == {} and w.nodes == []
-    w.close()   # idempotent
 
 
 # -- 6. authentication ------------------------------------------------------------------
@@ -567,6 +562,7 @@ def test_foreign_clients_on_the_agent_port_are_dropped_and_the_world_starts(tmp_
     assert not marker.exists()
 
 
+@pytest.mark.slow   # 10 s at least while the bug is there
 @pytest.mark.xfail(strict=True, reason=(
     "the Hub accepts and authenticates one connection at a time (remote.Hub._accept "
     "calls auth.prove with a 10 s timeout before the next accept): a foreign client "
