@@ -643,3 +643,7 @@ def test_nodes_in_network_namespaces_use_their_own_addresses(netns_hosts):
         results = w.run(gloo_sockets)
         assert [r["sum"] for r in results] == [10.0] * 4
         assert set(results[3]["listen"]) == {hosts[1].addr}
+        _, tree = _tree(w)
+    # gone with the World's close, not killed by the fixture's teardown of the namespaces
+    assert _alive(tree, timeout=0) == []
+    assert not netns._pids_in({h.inode for h in hosts})
