@@ -562,13 +562,6 @@ def test_foreign_clients_on_the_agent_port_are_dropped_and_the_world_starts(tmp_
     assert not marker.exists()
 
 
-@pytest.mark.slow   # 10 s at least while the bug is there
-@pytest.mark.xfail(strict=True, reason=(
-    "the Hub accepts and authenticates one connection at a time (remote.Hub._accept "
-    "calls auth.prove with a 10 s timeout before the next accept): a foreign client "
-    "that connects to the agent port and stays silent delays the World's start by 10 s, "
-    "and one that keeps doing so (12 times) makes it fail with NodesError after "
-    "JOIN_TIMEOUT (120 s), though the real agents are waiting in the backlog"))
 def test_a_silent_client_on_the_agent_port_does_not_hold_the_agents_up():
     real = local_step.starter(wrap=named_nodes)
     held = []
