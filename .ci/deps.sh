@@ -36,7 +36,9 @@ TORCH_CPU=2.13.0          # the README's CPU build: the pickling jobs need a tor
 PICKLING_TESTS=(tests/test_pickler.py tests/test_errors.py tests/test_reports.py
                 tests/test_insight.py tests/test_user_main.py tests/test_crash_matrix.py
                 tests/test_plugin.py tests/test_plugin_reuse.py tests/test_notebook.py)
-TORCH_TESTS=(-m "not no_torch and not slurm")
+# The slow tests (tens of seconds each) run once, in the README job: what they prove
+# depends on mplaunch more than on the torch release.
+TORCH_TESTS=(-m "not no_torch and not slurm and not slow")
 
 jobs_wanted=${MPLAUNCH_DEPS_JOBS:-pickling-floor pickling-newest torch-newest torch-floor}
 failed=()
