@@ -8,20 +8,21 @@ group's timeout (30 min), and neither ``abort()`` (a no-op for gloo) nor a signa
 it. Shutting down the TCP connections to the other ranks does: gloo's pairs see the
 connection closed and the collective raises. The launching process asks for it with
 RELEASE_SIGNAL, taken by a thread of ours (sigwait) since the main thread is the one
-blocked; which connections are the ranks' is read from /proc: those whose other end is
-held by a sibling process (the ranks of one World share their parent).
+blocked. Which connections are the group's is known from the endpoints every rank
+published in the store when the group was made and read back right after
+(_rank.endpoints): a connection to a peer's listener, or one accepted by this rank's
+own. That works wherever the peers run, on this node or another one; the thread reads
+only /proc/self and /proc/net, never the store.
 """
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
-from typing import List, Optional, Set
+from typing import List, Optional
 
-from .._wire import linux
 from .._wire.messages import RELEASE_SIGNAL
-from . import rendezvous, torchapi
+from . import endpoints, rendezvous, torchapi
 
 
 # -- release ---------------------------------------------------------------------------
@@ -67,37 +68,11 @@ def _abort_nccl() -> None:
 
 
 def release_connections() -> int:
-    """Shut down this process's TCP connections to its sibling processes (the other
-    ranks); the number shut down. The fds stay open (gloo owns them and closes them when
-    the group is destroyed), so no fd number is reused under gloo's feet."""
-    import socket
-    me = os.getpid()
-    mine = linux.socket_fds(me)
-    if not mine:
-        return 0
-    peers_inodes: Set[int] = set()
-    for pid in linux.children_of(os.getppid()):   # the ranks share their parent
-        if pid != me:
-            peers_inodes.update(linux.socket_fds(pid).values())
-    table = linux.tcp_table()
-    peer_locals = {table[i][0] for i in peers_inodes if i in table}
-    done = 0
-    for fd, inode in mine.items():
-        ends = table.get(inode)
-        if ends is None or ends[1] not in peer_locals:
-            continue
-        try:
-            s = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            s.shutdown(socket.SHUT_RDWR)
-            done += 1
-        except OSError:
-            pass
-        finally:
-            s.close()
-    return done
+    """Shut down this process's TCP connections to the other ranks of its process group
+    (see _rank.endpoints); the number shut down. The fds stay open (gloo owns them and
+    closes them when the group is destroyed), so no fd number is reused under gloo's
+    feet."""
+    return endpoints.release()
 
 
 # -- rebuild ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import sys
 from typing import Optional
 
 from .._wire.spec import uses_cuda
-from . import torchapi
+from . import endpoints, torchapi
 
 _ours = False   # the default group was made here, and is ours to end
 
@@ -52,6 +52,9 @@ def setup(backend: Optional[str]) -> None:
         kwargs.update(torchapi.init_kwargs_for_device(index))
     dist.init_process_group(backend, **kwargs)
     _ours = True
+    # Done already by the rendezvous hook's init_process_group; not where it could not
+    # wrap it (a caller that took torch's function first). Once either way.
+    endpoints.group_made()
 
 
 def teardown(failed: bool) -> None:

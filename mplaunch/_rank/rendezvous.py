@@ -13,6 +13,10 @@ rendezvous against mplaunch's store gets a key space of its own, ``pg<n>/``, whe
 counts this rank's rendezvous (its incarnations). Ranks run the same code, so they count
 alike; when a heal rebuilds the group the launching process sets one number for all of
 them (a replaced rank starts at 0, its peers do not).
+
+After the group. The hook also follows ``torch.distributed.init_process_group`` with
+_rank.endpoints' exchange of the group's TCP endpoints (for the release of a healing
+World), in the group's key space: the one moment the group is known to be up.
 """
 from __future__ import annotations
 
@@ -20,10 +24,12 @@ import os
 import sys
 
 from .._wire import linux
+from . import endpoints
 
 
 def install_hook() -> None:
-    """Make init_process_group's env:// and tcp:// join the store the parent hosts.
+    """Make init_process_group's env:// and tcp:// join the store the parent hosts, and
+    have init_process_group tell _rank.endpoints when the group it made is up.
 
     Left alone, torch's handlers make rank 0 start a store server on MASTER_PORT, which
     the parent holds. torch's own agent-store switch (TORCHELASTIC_USE_AGENT_STORE)
@@ -33,15 +39,21 @@ def install_hook() -> None:
     """
     if "MPLAUNCH_STORE" not in os.environ:
         return
-    mod = sys.modules.get("torch.distributed.rendezvous")
-    if mod is not None:
-        _patch_rendezvous(mod)
-    else:
-        sys.meta_path.insert(0, _PatchOnImport())
+    for name, patch in (("torch.distributed.rendezvous", _patch_rendezvous),
+                        ("torch.distributed", _patch_init)):
+        mod = sys.modules.get(name)
+        if mod is not None:
+            patch(mod)
+        else:
+            sys.meta_path.insert(0, _PatchOnImport(name, patch))
 
 
 class _PatchOnImport:
-    target = "torch.distributed.rendezvous"
+    """Patch module `target` as soon as it has been executed, before anything imports
+    a name from it."""
+
+    def __init__(self, target: str, patch):
+        self.target, self.patch = target, patch
 
     def find_spec(self, name, path, target=None):
         if name != self.target:
@@ -53,13 +65,39 @@ class _PatchOnImport:
             return spec
         loader = spec.loader
         original = loader.exec_module
+        patch = self.patch
 
         def exec_module(module):
             original(module)
-            _patch_rendezvous(module)
+            patch(module)
 
         loader.exec_module = exec_module
         return spec
+
+
+def _patch_init(mod) -> None:
+    """torch.distributed.init_process_group, followed by endpoints.group_made(): the
+    one moment a group made through our store is known to be up, however user code or
+    a framework calls it (``dist.init_process_group(...)``). A caller that took the
+    function before this rank started (``from torch.distributed import
+    init_process_group`` in the process a fork-mode rank was forked from) calls torch's
+    own: its group's endpoints are not exchanged, and a collective of it left half-done
+    is not released (the rank is replaced instead). mplaunch's own groups call
+    group_made() themselves (_rank.procgroup)."""
+    original = getattr(mod, "init_process_group", None)
+    if original is None or getattr(original, "_mplaunch", False):
+        return
+    import functools
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            endpoints.group_made()   # after a failed init: forgets the rendezvous
+
+    init_process_group._mplaunch = 1  # type: ignore[attr-defined]
+    mod.init_process_group = init_process_group
 
 
 def _patch_rendezvous(mod) -> None:
@@ -110,7 +148,9 @@ def _joining(scheme: str, original):
         store = TCPStore(host, int(port), world_size, False, **kw)
         # A key space per group (the module's docstring says why)
         prefix = os.environ.get("MPLAUNCH_STORE_PREFIX", "") + next_key_space()
-        yield (PrefixStore(prefix, store), rank, world_size)
+        group_store = PrefixStore(prefix, store)
+        endpoints.rendezvous_started(group_store, rank, world_size, store_at)
+        yield (group_store, rank, world_size)
         raise RuntimeError(f"Unable to perform re-rendezvous using {scheme}:// method")
 
     handler._mplaunch = 1
