@@ -298,12 +298,6 @@ def test_a_dead_remote_rank_is_replaced_on_its_node():
         assert _alive([pids[3]], timeout=0) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a collective left half-done across nodes is not released: the release "
-    "(_rank.heal.release_connections) shuts down only a rank's connections to its "
-    "siblings (children of its own warm server, i.e. its own node), so rank 1 on node 0, "
-    "waiting in the all_reduce on rank 2 of node 1, is never freed; after grace_period "
-    "it is SIGKILLed and replaced, losing its state: fresh_ranks is [1, 3], not [3]"))
 def test_a_dead_remote_rank_while_its_peers_wait_in_an_all_reduce_replaces_only_it():
     with world(grace_period=2) as w:
         assert w.run(count_calls) == [1] * 4

@@ -271,6 +271,9 @@ class Pump:
             self._thread.join(5.0)
         with self._plock:
             proxies, self.proxies = list(self.proxies.values()), {}
+            # dropped (or added) while the thread was ending: never handled there
+            proxies += [proxy for _what, proxy in self._changes]
+            self._changes = []
         for proxy in proxies:
             proxy.close()
         linux.close_quiet(self._wake_r, self._wake_w)
