@@ -28,9 +28,9 @@ LISTEN, ESTABLISHED = linux.TCP_LISTEN, 0x01
 @pytest.fixture(autouse=True)
 def _no_group_known():
     """Each test starts and ends with no group's endpoints known in this process."""
-    endpoints._known = endpoints._pending = None
+    endpoints._known = endpoints._pending = endpoints._store = None
     yield
-    endpoints._known = endpoints._pending = None
+    endpoints._known = endpoints._pending = endpoints._store = None
 
 
 def _has_ipv6() -> bool:
@@ -374,6 +374,42 @@ def test_a_world_releases_a_user_made_group_with_the_sibling_lookup_blind(method
             assert "rebuilt" in err.healed and world.pids == pids   # nobody was replaced
             assert world.run(allreduce_sum) == [3.0, 3.0]
         assert world.run(lookups) == [0, 0]
+
+
+def make_subgroup():
+    import torch.distributed as dist
+    st = mplaunch.rank_state()
+    st["sub"] = dist.new_group([0, 1, 2])
+    known = endpoints.known()
+    return len(known.peers) if known else 0
+
+
+def raise_while_peers_wait_in_the_subgroup():
+    import torch
+    import torch.distributed as dist
+    if dist.get_rank() == 2:
+        raise ValueError("rank two leaves the subgroup's collective")
+    if dist.get_rank() < 2:
+        dist.all_reduce(torch.ones(1), group=mplaunch.rank_state()["sub"])
+    return "ok"
+
+
+def test_a_collective_of_a_new_group_left_half_done_is_released():
+    # new_group makes listeners of its own: its members exchange them as the default
+    # group's do, so ranks 0 and 1, blocked on rank 2 in the subgroup, are released
+    # (not killed at the grace period and replaced).
+    with mplaunch.World(3, backend="gloo", grace_period=30) as world:
+        before = world.run(lambda: len(endpoints.known().peers))
+        after = world.run(make_subgroup)
+        assert [a > b for a, b in zip(after, before)] == [True, True, True], (before, after)
+        pids = world.pids
+        with pytest.raises(mplaunch.WorkerError) as info:
+            world.run(raise_while_peers_wait_in_the_subgroup, timeout=120)
+        err = info.value
+        assert err.rank == 2 and type(err.__cause__) is ValueError
+        assert not isinstance(err, mplaunch.LaunchTimeout)
+        assert "rebuilt" in err.healed and world.pids == pids and world.fresh_ranks == []
+        assert world.run(allreduce_sum) == [6.0] * 3
 
 
 _RANK = r"""

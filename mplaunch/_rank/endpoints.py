@@ -31,6 +31,12 @@ backend names gloo take part: an NCCL group is released by aborting it (_rank.he
 and waiting for peers that finish a lazy init at different times would make every init
 a barrier.
 
+Subgroups (``new_group``) have listeners of their own. The rendezvous hook wraps
+``torch.distributed.new_group`` too: once it returns, the subgroup's members publish the
+listeners it made under ``KEY + "sub<k>/" + str(rank)`` (k counts the new_group calls
+since the default group was made, the same in every rank since new_group is called by
+all of them) and read each other's, and the release then covers them as well.
+
 Which connections the release shuts: those whose remote endpoint is a peer's published
 one, or whose local endpoint is one of this rank's own (the connections its listeners
 accepted; a listener bound to a wildcard address matches by its port). Never a listening
@@ -52,8 +58,8 @@ from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Set, Tuple
 from .._wire import linux
 from .._wire.linux import Endpoint
 
-__all__ = ["KEY", "Known", "rendezvous_started", "group_made", "known", "parse",
-           "select", "release"]
+__all__ = ["KEY", "Known", "rendezvous_started", "group_made", "subgroup_made", "known",
+           "parse", "select", "release"]
 
 KEY = "mplaunch/endpoints/"
 PEERS_WAIT = 30.0        # seconds for every peer to publish, right after init
@@ -85,6 +91,10 @@ class _Pending(NamedTuple):
 # changed in place, so the release sees one group's values or the next one's.
 _known: Optional[Known] = None
 _pending: Optional[_Pending] = None
+# The current default group's key space, for its subgroups (kept until the next group's
+# rendezvous: a client of mplaunch's own store, which ends with the World).
+_store: Any = None
+_subgroups = 0            # new_group calls since it was made
 
 
 def rendezvous_started(store, rank: int, world_size: int,
@@ -92,8 +102,9 @@ def rendezvous_started(store, rank: int, world_size: int,
     """Called by the rendezvous hook as it hands `store` (the group's key space) to
     torch: the previous group's endpoints are forgotten, and this process's listeners are
     noted, so that group_made() can tell the new group's apart."""
-    global _known, _pending
-    _known = None
+    global _known, _pending, _store, _subgroups
+    _known = _store = None
+    _subgroups = 0
     _pending = _Pending(store, rank, world_size, store_at, frozenset(own_listeners()))
 
 
@@ -120,6 +131,36 @@ def group_made() -> None:
                      pending.rank, type(exc).__name__, exc)
 
 
+def subgroup_made(group, members, listeners_before: FrozenSet[Endpoint]) -> None:
+    """Once new_group has returned `group` (with these `members`, None: every rank):
+    its members publish the listeners it made and read each other's, added to what the
+    release shuts. Never raises."""
+    global _known, _subgroups
+    n, _subgroups = _subgroups, _subgroups + 1
+    known_now, store = _known, _store
+    dist = sys.modules.get("torch.distributed")
+    if known_now is None or store is None or dist is None or group is None:
+        return
+    try:
+        if group is dist.GroupMember.NON_GROUP_MEMBER or \
+                "gloo" not in str(dist.get_backend(group)):
+            return
+        me = dist.get_rank()
+        members = (list(range(dist.get_world_size())) if members is None
+                   else sorted(int(r) for r in members))
+        own = own_listeners() - listeners_before
+        prefix = f"{KEY}sub{n}/"
+        store.set(prefix + str(me), json.dumps(sorted([a, port] for a, port in own)))
+        peers: Set[Endpoint] = set()
+        for rank, raw in _read_peers(store, me, [r for r in members if r != me], prefix):
+            peers.update(parse(raw, f"rank {rank}"))
+        _known = Known(known_now.own | own, known_now.peers | peers, known_now.never)
+    except Exception as exc:  # noqa: BLE001 - the subgroup works without it
+        _log.warning("mplaunch: could not exchange a new_group's endpoints (%s: %s); a "
+                     "collective of it left half-done will not be released, and the rank "
+                     "will be replaced instead", type(exc).__name__, exc)
+
+
 def known() -> Optional[Known]:
     """The current group's endpoints, or None when they are not known."""
     return _known
@@ -137,25 +178,28 @@ def own_listeners() -> Set[Endpoint]:
 
 
 def _exchange(p: _Pending) -> Known:
+    global _store
     own = own_listeners() - p.listeners_before
     p.store.set(KEY + str(p.rank), json.dumps(sorted([a, port] for a, port in own)))
+    _store = p.store
     peers: Set[Endpoint] = set()
-    for rank, raw in _read_peers(p.store, p.rank, p.world_size):
+    others = [r for r in range(p.world_size) if r != p.rank]
+    for rank, raw in _read_peers(p.store, p.rank, others):
         peers.update(parse(raw, f"rank {rank}"))
     return Known(frozenset(own), frozenset(peers), frozenset(_resolve(p.store_at)))
 
 
-def _read_peers(store, me: int, world_size: int) -> List[Tuple[int, bytes]]:
-    ranks = [r for r in range(world_size) if r != me]
+def _read_peers(store, me: int, ranks: List[int],
+                prefix: str = KEY) -> List[Tuple[int, bytes]]:
     if not ranks:
         return []
     try:
-        store.wait([KEY + str(r) for r in ranks], timedelta(seconds=PEERS_WAIT))
+        store.wait([prefix + str(r) for r in ranks], timedelta(seconds=PEERS_WAIT))
     except Exception:  # noqa: BLE001 - a peer died or is late: the others' still count
-        ranks = [r for r in ranks if _present(store, KEY + str(r))]
+        ranks = [r for r in ranks if _present(store, prefix + str(r))]
         _log.warning("mplaunch: rank %s: only ranks %s published their endpoints within "
                      "%s s of the process group's init", me, ranks, PEERS_WAIT)
-    return [(r, store.get(KEY + str(r))) for r in ranks]
+    return [(r, store.get(prefix + str(r))) for r in ranks]
 
 
 def _present(store, key: str) -> bool:

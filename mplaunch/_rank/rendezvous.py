@@ -98,6 +98,27 @@ def _patch_init(mod) -> None:
 
     init_process_group._mplaunch = 1  # type: ignore[attr-defined]
     mod.init_process_group = init_process_group
+    _patch_new_group(mod)
+
+
+def _patch_new_group(mod) -> None:
+    """torch.distributed.new_group, followed by endpoints.subgroup_made(): a subgroup's
+    listeners are its own, and its members exchange them as the default group's do."""
+    original = getattr(mod, "new_group", None)
+    if original is None or getattr(original, "_mplaunch", False):
+        return
+    import functools
+
+    @functools.wraps(original)
+    def new_group(*args, **kwargs):
+        before = frozenset(endpoints.own_listeners())
+        group = original(*args, **kwargs)
+        endpoints.subgroup_made(group, kwargs.get("ranks", args[0] if args else None),
+                                before)
+        return group
+
+    new_group._mplaunch = 1  # type: ignore[attr-defined]
+    mod.new_group = new_group
 
 
 def _patch_rendezvous(mod) -> None:
