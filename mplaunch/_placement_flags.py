@@ -75,10 +75,10 @@ def placement_lines(world) -> str:
             placement = Placement(node["gpus"], node["cpus"])
             for lr in range(cfg.nprocs):
                 rank = node["node"] * cfg.nprocs + lr
-                lines.append(
-                    f"  rank {rank} on node {node['node']} ({node['name']}, pid "
-                    f"{pids.get(rank)}): "
-                    f"{describe_rank(lr, cfg.backend, placement, node['environ'], node['allowed'])}")
+                where = describe_rank(lr, cfg.backend, placement, node["environ"],
+                                      node["allowed"], "its node")
+                lines.append(f"  rank {rank} on node {node['node']} ({node['name']}, pid "
+                             f"{pids.get(rank)}): {where}")
         return "\n".join(lines)
     placement = Placement(cfg.gpus, cfg.cpus)
     allowed = allowed_cpus()
@@ -88,7 +88,8 @@ def placement_lines(world) -> str:
 
 
 def describe_rank(local_rank: int, backend: Optional[str], placement: Placement,
-                  environ: Mapping[str, str], allowed: Sequence[int]) -> str:
+                  environ: Mapping[str, str], allowed: Sequence[int],
+                  whose: str = "the launching process") -> str:
     """"GPU 2 (its CUDA_VISIBLE_DEVICES), CPUs 0-3": where one rank runs, for %ranks."""
     if placement.gpus is not None:
         device = f"GPU {placement.gpus[local_rank]} (its CUDA_VISIBLE_DEVICES)"
@@ -97,7 +98,7 @@ def describe_rank(local_rank: int, backend: Optional[str], placement: Placement,
         device = f"cuda:{local_rank}" + (f" of CUDA_VISIBLE_DEVICES={visible}"
                                          if visible is not None else "")
     else:
-        device = "the launching process's GPUs, none chosen"
+        device = f"{whose}'s GPUs, none chosen"
     if placement.cpus is not None:
         cpus = f"CPUs {format_cpus(placement.cpus[local_rank])}"
     else:
