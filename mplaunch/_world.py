@@ -239,7 +239,7 @@ def _across_nodes(nprocs, nnodes, backend, options, starter):
                    dict(options, backend=backend, stdin_rank=None, master_addr=address))
     cfg = dataclasses.replace(cfg, nnodes=nnodes, node_rank=0)
     gpus, cpus = placement_args(options.get("gpus"), options.get("cpus"))
-    return cfg, NodesPlan(nnodes, address, gpus, cpus, starter)
+    return cfg, NodesPlan(nnodes, address, gpus, cpus, starter, options.get("env"))
 
 
 def _this_host_address() -> str:

@@ -58,6 +58,7 @@ class RankGroup:
         self.payload_fd = payload_fd
         self._specs = list(specs)
         self.ranks: List[RankState] = [RankState(s) for s in specs]
+        self._by_rank_logs = len({s.node_rank for s in specs}) > 1
         self.failures: List[RankFailure] = []
         self.teardown: Optional[Teardown] = None
         self.spawner = (make_spawner or spawners.for_config)(cfg, self)
@@ -116,6 +117,8 @@ class RankGroup:
         return new
 
     def _start_one(self, r: RankState, payload_fd: Optional[int] = None) -> None:
+        if self._by_rank_logs:
+            r.log_name = str(r.spec.rank)
         child_fds = r.open(self.cfg, self.attempt,
                            self.payload_fd if payload_fd is None else payload_fd)
         try:

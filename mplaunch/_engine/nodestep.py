@@ -88,15 +88,28 @@ def start_srun_step(agent_argv: Sequence[str], env: Dict[str, str], nnodes: int,
                             start_new_session=True)
 
 
-def end_step(step: subprocess.Popen, grace: float) -> None:
-    """The agents end when their connection does, and the step with them; a step still
-    there after `grace` is ended by SLURM (srun forwards SIGTERM to its tasks), then
-    killed."""
+def end_step(step: subprocess.Popen, grace: float, step_id: Optional[str] = None) -> None:
+    """The agents end when their connection does, and the step with them. A step still
+    there after `grace` (an agent frozen, or cut off) is cancelled by SLURM
+    (``scancel JOB.STEP``: slurmstepd kills every process of the step, on every node,
+    stopped ones included), then srun is ended."""
     try:
         step.wait(grace)
         return
     except subprocess.TimeoutExpired:
         pass
+    if step_id is not None and shutil.which("scancel"):
+        log.warning("mplaunch: the World's step %s did not end with its connections; "
+                    "cancelling it", step_id)
+        try:
+            subprocess.run(["scancel", "--signal=KILL", step_id], timeout=10,
+                           stdin=subprocess.DEVNULL, capture_output=True)
+            subprocess.run(["scancel", step_id], timeout=10,
+                           stdin=subprocess.DEVNULL, capture_output=True)
+            step.wait(grace)
+            return
+        except (subprocess.TimeoutExpired, OSError):
+            pass
     for signo, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         try:
             step.send_signal(signo)

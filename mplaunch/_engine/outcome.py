@@ -48,8 +48,10 @@ def error_for(attempt, ending: Ending) -> WorkerError:
     failures = local_failures(group)
     if cfg.log_dir is not None:
         for f in failures:
+            r = group.state_of(f.rank)
+            name = r.log_name if r is not None else str(f.local_rank)
             write_error_file(os.path.join(cfg.log_dir, f"attempt_{attempt.number}",
-                                          str(f.local_rank), "error.json"), f)
+                                          name, "error.json"), f)
     user_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if user_file and failures:
         write_error_file(user_file, failures[0])

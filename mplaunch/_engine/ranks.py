@@ -20,7 +20,7 @@ class RankState:
     """One rank of a RankGroup."""
     __slots__ = ("spec", "pid", "reader", "out_fd", "err_fd", "stack_fd", "out", "err",
                  "status", "result", "has_result", "error", "max_rss", "exit_note",
-                 "reporter", "exited_at", "_child_ends")
+                 "reporter", "exited_at", "log_name", "_child_ends")
 
     def __init__(self, spec: RankSpec):
         self.spec = spec
@@ -37,6 +37,9 @@ class RankState:
         self.exit_note: Optional[str] = None  # what the reaper knows of its death (OOM)
         self.reporter = False   # a collectives reporter runs in it (_rank.collectives)
         self.exited_at: Optional[float] = None
+        # Its log_dir folder: its local rank (as torchrun), or its rank where one group
+        # holds several nodes' ranks (a World across nodes), whose local ranks repeat.
+        self.log_name = str(spec.local_rank)
         self._child_ends: List = []
 
     @property
@@ -89,7 +92,7 @@ class RankState:
             sink = cfg.stdout if stream == "stdout" else cfg.stderr
         logfile = None
         if cfg.log_dir is not None:
-            d = os.path.join(cfg.log_dir, f"attempt_{attempt}", str(self.local_rank))
+            d = os.path.join(cfg.log_dir, f"attempt_{attempt}", self.log_name)
             os.makedirs(d, exist_ok=True)
             logfile = open(os.path.join(d, f"{stream}.log"), "wb", buffering=0)
         return StreamRelay(sink, self.spec.prefix(cfg.prefix), logfile,

@@ -17,6 +17,7 @@ import os
 import queue
 import selectors
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +39,7 @@ log = logging.getLogger("mplaunch")
 __mplaunch_plumbing__ = True
 
 JOIN_TIMEOUT = 120.0     # for every agent to connect and prove itself
+KILL_REPORT_WAIT = 5.0   # for an agent to report the exits of ranks it SIGKILLed
 
 
 @dataclasses.dataclass
@@ -100,6 +102,15 @@ class Hub:
     @property
     def broken(self) -> bool:
         return any(link.lost is not None for link in self.links)
+
+    @property
+    def step_id(self) -> Optional[str]:
+        """"JOB.STEP" of the agents' SLURM step (what their environment says)."""
+        for link in self.links:
+            env = link.info.environ
+            if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID"):
+                return f"{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
+        return None
 
     @property
     def nodes(self) -> List[NodeInfo]:
@@ -209,7 +220,10 @@ class Hub:
 
     # -- the pump: node connections <-> the ranks' fds ---------------------------------
     def close(self, grace: float = 10.0) -> None:
-        """End every agent (and so every rank) and the step; idempotent."""
+        """End every agent (and so every rank) and the step; idempotent. With a node
+        lost, the step is not waited for long: SLURM ends it (nodestep.end_step)."""
+        if self.broken:
+            grace = min(grace, 3.0)
         for link in self.links:
             link.send(tunnel.BYE)
         pump, self.pump = self.pump, None
@@ -224,7 +238,7 @@ class Hub:
             link.lost = link.lost or "the World was closed"
         step, self.step = self.step, None
         if step is not None:
-            end_step(step, grace)
+            end_step(step, grace, self.step_id)
         if self._step_log is not None:
             self._step_log.close()
             self._step_log = None
@@ -314,6 +328,7 @@ class RemoteSpawner:
         self._tokens: Dict[int, _Proxy] = {}
         self._lost_seen: set = set()
         self._acks: set = set()
+        self._exited: set = set()     # tokens whose exit was reported
 
     def post(self, item) -> None:
         """From the pump thread."""
@@ -346,6 +361,7 @@ class RemoteSpawner:
         if old is not None:
             self.hub.pump.drop_proxy(token)
         self._tokens[token] = proxy
+        self._exited.discard(token)     # a replaced rank's token is its new process's
         self.hub.pump.add_proxy(proxy)
         payload = linux.read_all_fd(fds[0])
         if not link.send(tunnel.START, token, (spec, [payload])):
@@ -375,6 +391,7 @@ class RemoteSpawner:
         if kind == tunnel.STARTED:
             ev.started(token, body)
         elif kind == tunnel.EXITED:
+            self._exited.add(token)
             status, max_rss, note = body
             ev.exited(None, status, max_rss, note, token=token)
         elif kind == tunnel.START_FAILED:
@@ -404,12 +421,31 @@ class RemoteSpawner:
         return by
 
     def signal_groups(self, signo: int, pids, tokens=()) -> None:
-        for node, ts in self._tokens_by_link(tokens).items():
-            self.hub.links[node].send(tunnel.SIGNAL_GROUPS, 0, (signo, ts))
+        self._signal(tunnel.SIGNAL_GROUPS, signo, tokens)
 
     def signal_ranks(self, signo: int, pids, tokens=()) -> None:
+        self._signal(tunnel.SIGNAL_RANKS, signo, tokens)
+
+    def _signal(self, kind: int, signo: int, tokens) -> None:
         for node, ts in self._tokens_by_link(tokens).items():
-            self.hub.links[node].send(tunnel.SIGNAL_RANKS, 0, (signo, ts))
+            link = self.hub.links[node]
+            link.send(kind, 0, (signo, ts))
+            if signo == signal.SIGKILL:
+                # A SIGKILLed rank's exit is reported within milliseconds; an agent that
+                # does not report it (frozen, cut off) has lost its node.
+                timer = threading.Timer(KILL_REPORT_WAIT, self._check_killed, (link, ts))
+                timer.daemon = True
+                timer.start()
+
+    def _check_killed(self, link: "Link", tokens) -> None:
+        """In a timer's thread: `tokens` were SIGKILLed KILL_REPORT_WAIT ago."""
+        if self.events is None or link.lost is not None:
+            return
+        if any(t in self._tokens and t not in self._exited for t in tokens):
+            link.lost = (f"its agent did not report its ranks' exits within "
+                         f"{KILL_REPORT_WAIT:g} s of their SIGKILL (is the node frozen, "
+                         f"or cut off?)")
+            self.post((None, 0, link.lost, link))
 
     def _round(self, kind: int, ack: int, timeout: float) -> None:
         self._acks = set()

@@ -27,6 +27,7 @@ from . import servers, signals
 from .attempt import Attempt
 from . import remote
 from .config import LaunchConfig, rank_specs, with_streams
+from .env import user_env_for
 from .heal import CallDriver, consequences_last, what_was_kept
 from .outcome import error_for, results_or_raise
 from .session import Session
@@ -50,6 +51,7 @@ class NodesPlan:
     gpus: object = None
     cpus: object = None
     starter: Optional[Callable] = None
+    env: object = None            # env=: a callable is called for each node's ranks
 
 
 @dataclass(frozen=True)
@@ -163,9 +165,13 @@ class Serving:
         placement (what its agent reported)."""
         hosted = session.hosted
         specs = []
+        n = self.cfg.nprocs
         for info in self.hub.nodes:
-            cfg = dataclasses.replace(self.cfg, node_rank=info.index, gpus=info.gpus,
-                                      cpus=info.placed_cpus)
+            first = info.index * n
+            cfg = dataclasses.replace(
+                self.cfg, node_rank=info.index, gpus=info.gpus, cpus=info.placed_cpus,
+                user_envs=tuple(user_env_for(self.nodes.env, first + lr)
+                                for lr in range(n)))
             specs += rank_specs(cfg, self._generation, hosted.port, hosted.address,
                                 serve=True, base=info.environ, host=info.name)
         return specs
