@@ -1,0 +1,202 @@
+"""A World across the nodes of a real SLURM allocation (mplaunch.World(nprocs=4,
+nnodes=2)): the throwaway two-node cluster of slurm_cluster (n1 and n2, both on
+127.0.0.1, whose names do not resolve: master_addr is given), a script started by
+`salloc -N2` as a user would start one, and what SLURM itself says about the job's
+steps while the World is up and after it closed.
+
+Each script prints one JSON line per check ({"check": name, ...}); the tests parse them.
+One cluster serves the whole module; each test makes its own allocation.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+import slurm_cluster as harness
+
+pytestmark = pytest.mark.slurm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SCRIPTS = os.path.join(HERE, "scripts_slurm")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    harness.require_slurm()
+    with harness.slurm_cluster(tmp_path_factory.mktemp("slurm")) as c:
+        yield c
+
+
+def _salloc(cluster, argv, timeout=150, env=None):
+    """`salloc -N2 argv...` from the repository root, mplaunch importable."""
+    extra = {"PYTHONPATH": os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    extra.update(env or {})
+    return cluster.run(["salloc", "-N2", *argv], timeout=timeout, cwd=ROOT, env=extra)
+
+
+def _checks(res) -> dict:
+    checks = {}
+    for line in res.stdout.splitlines():
+        if line.startswith("{"):
+            doc = json.loads(line)
+            checks[doc["check"]] = doc
+    return checks
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _settled(cluster, timeout=20.0):
+    """Once an allocation is over: (jobs squeue still shows, processes of the cluster's
+    jobs still alive), after giving the controller time to forget the job."""
+    deadline = time.monotonic() + timeout
+    while True:
+        jobs, procs = cluster.job_ids(), cluster.job_processes()
+        if (not jobs and not procs) or time.monotonic() > deadline:
+            return jobs, procs
+        time.sleep(0.2)
+
+
+def _run_script(cluster, name, *args, timeout=150):
+    res = _salloc(cluster, [sys.executable, os.path.join(SCRIPTS, name), *args],
+                  timeout=timeout)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    checks = _checks(res)
+    jobs, procs = _settled(cluster)
+    return checks, out, jobs, procs
+
+
+# -- one World through its runs and heals ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def world_nodes(cluster):
+    """world_nodes.py's checks, run once for the tests below."""
+    return _run_script(cluster, "world_nodes.py")
+
+
+def test_ranks_are_split_over_the_nodes_in_global_order(world_nodes):
+    checks, out, _, _ = world_nodes
+    start = checks["start"]
+    assert start["nprocs"] == 4 and start["nnodes"] == 2, out
+    assert [(n["node"], n["name"]) for n in start["nodes"]] == [(0, "n1"), (1, "n2")]
+    ranks = start["ranks"]
+    assert [r["RANK"] for r in ranks] == ["0", "1", "2", "3"], out
+    assert [r["LOCAL_RANK"] for r in ranks] == ["0", "1", "0", "1"]
+    assert [r["NODE_RANK"] for r in ranks] == ["0", "0", "1", "1"]
+    assert [r["GROUP_RANK"] for r in ranks] == ["0", "0", "1", "1"]
+    assert {r["WORLD_SIZE"] for r in ranks} == {"4"}
+    assert {r["LOCAL_WORLD_SIZE"] for r in ranks} == {"2"}
+    # where SLURM put them: node 0 is n1, node 1 is n2
+    assert [r["SLURMD_NODENAME"] for r in ranks] == ["n1", "n1", "n2", "n2"]
+    # the SLURM task variables are the ranks' (mplaunch rewrites them), in the
+    # World's one step of the allocation
+    assert [r["SLURM_PROCID"] for r in ranks] == ["0", "1", "2", "3"]
+    assert [r["SLURM_LOCALID"] for r in ranks] == ["0", "1", "0", "1"]
+    assert [r["SLURM_NODEID"] for r in ranks] == ["0", "0", "1", "1"]
+    assert {r["SLURM_NTASKS"] for r in ranks} == {"4"}
+    assert {r["SLURM_JOB_ID"] for r in ranks} == {start["job_id"]}
+    assert {r["SLURM_STEP_ID"] for r in ranks} == {"0"}
+    assert {r["MASTER_ADDR"] for r in ranks} == {"127.0.0.1"}
+    assert [r["pid"] for r in ranks] == [start["pids"][str(i)] for i in range(4)]
+
+
+def test_all_reduce_across_the_nodes(world_nodes):
+    checks, out, _, _ = world_nodes
+    assert checks["all_reduce"]["results"] == [10.0] * 4, out
+
+
+def test_exactly_one_step_while_up_and_none_after_close(world_nodes):
+    checks, out, jobs, procs = world_nodes
+    job = checks["start"]["job_id"]
+    assert checks["start"]["steps"] == [[f"{job}.0", "mplaunch-world"]], out
+    # after a heal that replaced a dead rank, and after a timeout: still that one step
+    assert checks["dead"]["steps"] == [[f"{job}.0", "mplaunch-world"]], out
+    assert checks["timeout"]["steps"] == [[f"{job}.0", "mplaunch-world"]], out
+    assert checks["closed"]["steps"] == [], out
+    # the allocation over: no job, no process of it, none of the World's pids
+    assert jobs == [] and procs == [], (jobs, procs, out)
+    assert [p for p in checks["closed"]["pids"] if _alive(p)] == []
+
+
+def test_an_exception_heals_keeping_ranks_and_state(world_nodes):
+    checks, out, _, _ = world_nodes
+    exc = checks["exception"]
+    assert exc["raised"] == "WorkerError" and exc["rank"] == 2, out
+    assert exc["cause"] == "ValueError('rank 2 says no')"
+    assert exc["healed"].startswith("the world was kept"), exc
+    assert exc["same_pids"] and exc["kept"] == ["state"] * 4, exc
+    assert exc["after"] == [10.0] * 4
+
+
+def test_a_dead_rank_is_replaced_on_its_own_node(world_nodes):
+    checks, out, _, _ = world_nodes
+    dead = checks["dead"]
+    assert dead["raised"] == "WorkerError" and dead["rank"] == 3, out
+    assert dead["signal"] == "SIGKILL"
+    assert "on n2" in dead["message"] and "[on node 1]" in dead["message"], dead["message"]
+    assert "replaced" in dead["healed"], dead["healed"]
+    assert dead["fresh"] == [3]
+    before, after = dead["before"], dead["pids"]
+    assert after["3"] != before["3"]
+    assert {k: after[k] for k in "012"} == {k: before[k] for k in "012"}
+    ranks = dead["ranks"]
+    assert ranks[3]["pid"] == after["3"]
+    assert ranks[3]["SLURMD_NODENAME"] == "n2" and ranks[3]["NODE_RANK"] == "1"
+    assert ranks[3]["LOCAL_RANK"] == "1" and ranks[3]["SLURM_PROCID"] == "3"
+    assert dead["kept"], "the other ranks lost their state"
+    assert dead["all_reduce"] == [10.0] * 4
+    # the same agents: the rank was replaced by its node's agent, not a new step
+    assert dead["nodes"] == checks["start"]["nodes"]
+
+
+def test_a_timeout_heals(world_nodes):
+    checks, out, _, _ = world_nodes
+    t = checks["timeout"]
+    assert t["raised"] == "LaunchTimeout", out
+    assert t["seconds"] < 30, t
+    assert t["same_pids"] and t["healed"].startswith("the world was kept"), t
+    assert t["after"] == [10.0] * 4
+
+
+def test_a_foreign_client_at_the_store_port_does_not_disturb_the_world(world_nodes):
+    checks, out, _, _ = world_nodes
+    junk = checks["junk"]
+    assert junk["results"] == [10.0] * 4 and junk["again"] == [10.0] * 4, out
+    assert junk["pids"] == checks["start"]["pids"]
+
+
+# -- a node's agent killed ---------------------------------------------------------------
+
+def test_a_killed_agent_ends_the_step_and_the_next_run_starts_a_new_one(cluster):
+    checks, out, jobs, procs = _run_script(cluster, "world_agent_killed.py")
+    up, lost, ended, again = (checks[k] for k in ("up", "lost", "ended", "again"))
+    [[step, name]] = up["steps"]
+    job = step.split(".")[0]
+    assert (step, name) == (f"{job}.0", "mplaunch-world"), out
+    assert lost["raised"] == "WorkerError", out
+    assert "node 1 (n2)" in lost["message"], lost["message"]
+    assert f"pid {up['nodes'][1]['agent_pid']}" in lost["message"]
+    assert lost["rank"] in (2, 3)
+    # the step ended, and every process of the World with it, on both nodes
+    assert ended["step_gone"] and ended["all_gone"], ended
+    # the next run: a new World in a new step, on both nodes
+    assert again["steps"] == [[f"{job}.1", "mplaunch-world"]], again
+    assert [r["node"] for r in again["ranks"]] == ["n1", "n1", "n2", "n2"]
+    assert {r["step"] for r in again["ranks"]} == {"1"}
+    assert not set(r["pid"] for r in again["ranks"]) & set(ended["world_pids"])
+    assert again["all_reduce"] == [10.0] * 4
+    assert checks["closed"]["step_gone"], out
+    assert jobs == [] and procs == [], (jobs, procs, out)
+    assert [p for p in checks["closed"]["pids"] if _alive(p)] == []
