@@ -200,3 +200,49 @@ def test_a_killed_agent_ends_the_step_and_the_next_run_starts_a_new_one(cluster)
     assert checks["closed"]["step_gone"], out
     assert jobs == [] and procs == [], (jobs, procs, out)
     assert [p for p in checks["closed"]["pids"] if _alive(p)] == []
+
+
+# -- a Jupyter kernel inside the allocation ----------------------------------------------
+
+@pytest.mark.notebook
+def test_ddp_across_nodes_from_a_kernel_inside_the_allocation(cluster):
+    pytest.importorskip("nbclient")
+    res = _salloc(cluster, [sys.executable, os.path.join(SCRIPTS, "kernel_driver.py")],
+                         timeout=170)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    cells, steps = {}, {}
+    for line in res.stdout.splitlines():
+        if line.startswith("{"):
+            doc = json.loads(line)
+            if doc["check"] == "cell":
+                cells[doc["id"]] = doc
+            elif doc["check"] == "steps":
+                steps[doc["after"]] = doc["steps"]
+    assert list(cells) == ["start", "model", "step", "check", "status", "stop"], out
+    for name, cell in cells.items():
+        assert not cell["errors"], (name, cell["errors"])
+
+    start = cells["start"]["stdout"]
+    assert "%ranks: started 4 ranks on 2 nodes (n1, n2), backend gloo" in start, start
+    [[step, name]] = steps["start"]
+    assert step.endswith(".0") and name == "mplaunch-world", steps
+    lines = sorted(cells["model"]["stdout"].splitlines())
+    assert lines == [f"[{n} rank{r}]: model on {n} rank {r} of 4"
+                     for r, n in enumerate(["n1", "n1", "n2", "n2"])], lines
+    assert sorted(cells["step"]["stdout"].splitlines()) == [
+        f"[{n} rank{r}]: stepped {r}" for r, n in enumerate(["n1", "n1", "n2", "n2"])]
+    # after a step on different batches, DDP kept the parameters equal on all 4 ranks
+    assert sorted(cells["check"]["stdout"].splitlines()) == [
+        f"[{n} rank{r}]: equal True trained True node {n} step 0"
+        for r, n in enumerate(["n1", "n1", "n2", "n2"])], cells["check"]["stdout"]
+    assert steps["check"] == steps["start"], "the cells ran in the World's one step"
+
+    status = cells["status"]["stdout"]
+    assert status.startswith("4 ranks on 2 nodes, backend gloo: up"), status
+    for rank, node in enumerate(["0 (n1", "0 (n1", "1 (n2", "1 (n2"]):
+        assert f"rank {rank} on node {node}, pid " in status, status
+    assert cells["stop"]["stdout"] == "%ranks: stopped 4 ranks\n"
+    assert steps["stop"] == [], steps
+    jobs, procs = _settled(cluster)
+    assert jobs == [] and procs == [], (jobs, procs, out)
