@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -246,3 +247,42 @@ def test_ddp_across_nodes_from_a_kernel_inside_the_allocation(cluster):
     assert steps["stop"] == [], steps
     jobs, procs = _settled(cluster)
     assert jobs == [] and procs == [], (jobs, procs, out)
+
+
+# -- the pytest plugin's reuse across nodes ----------------------------------------------
+
+def test_plugin_reuse_tests_share_one_world_across_the_nodes(cluster, tmp_path):
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (inner / "pytest.ini").write_text("[pytest]\naddopts = --strict-markers -p "
+                                      "no:cacheprovider\nfilterwarnings = error\n")
+    test_file = inner / "test_reuse_nodes.py"
+    shutil.copy(os.path.join(SCRIPTS, "reuse_nodes_inner.py"), test_file)
+    res = cluster.run(["salloc", "-N2", sys.executable, "-m", "pytest", "-rA", "-q",
+                       str(test_file)], timeout=150, cwd=str(inner),
+                      env={"PYTHONPATH": ROOT, "OUT": str(out),
+                           "MPLAUNCH_TEST_NNODES": "2"})
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text
+    assert "3 passed" in res.stdout, text
+
+    def recorded(name):
+        return {int(f.name.rsplit("rank", 1)[1]): tuple(f.read_text().split())
+                for f in out.iterdir() if f.name.startswith(name + "-rank")}
+
+    a, c = recorded("a"), recorded("c")
+    assert sorted(a) == [0, 1, 2, 3], text
+    assert [a[r][1] for r in range(4)] == ["n1", "n1", "n2", "n2"], a
+    assert a == c, "the two tests ran in different worlds"
+    steps = (out / "steps").read_text().split("\n")
+    assert [s.split() for s in steps if s.strip()] == [[f"{_job_of(steps)}.0",
+                                                        "mplaunch-world"]], steps
+    jobs, procs = _settled(cluster)
+    assert jobs == [] and procs == [], (jobs, procs, text)
+    assert [p for p in (int(v[0]) for v in a.values()) if _alive(p)] == []
+
+
+def _job_of(steps):
+    return next(s.split()[0].split(".")[0] for s in steps if s.strip())
