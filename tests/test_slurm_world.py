@@ -111,6 +111,15 @@ def test_ranks_are_split_over_the_nodes_in_global_order(world_nodes):
     assert {r["SLURM_STEP_ID"] for r in ranks} == {"0"}
     assert {r["MASTER_ADDR"] for r in ranks} == {"127.0.0.1"}
     assert [r["pid"] for r in ranks] == [start["pids"][str(i)] for i in range(4)]
+    assert [r["secret"] for r in ranks] == [[]] * 4, "the ranks see the World's secret"
+
+
+def test_more_nodes_than_the_allocation_has_is_refused_before_anything_starts(world_nodes):
+    checks, out, _, _ = world_nodes
+    too_many = checks["too_many"]
+    assert too_many["raised"] == "ValueError", out
+    assert "has 2 node(s)" in too_many["message"] and "salloc -N 3" in too_many["message"]
+    assert too_many["steps"] == []
 
 
 def test_all_reduce_across_the_nodes(world_nodes):

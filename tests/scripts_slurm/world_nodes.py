@@ -39,7 +39,12 @@ def whoami():
             "LOCAL_WORLD_SIZE", "SLURMD_NODENAME", "SLURM_PROCID", "SLURM_LOCALID",
             "SLURM_NODEID", "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_STEP_ID",
             "SLURM_JOB_NAME", "MASTER_ADDR", "MASTER_PORT")
-    return dict({k: os.environ.get(k) for k in keys}, pid=os.getpid())
+    with open("/proc/self/environ", "rb") as f:
+        initial = f.read()
+    return dict({k: os.environ.get(k) for k in keys}, pid=os.getpid(),
+                # the World's secret and address are the agents' alone
+                secret=[k for k in ("MPLAUNCH_WORLD_SECRET", "MPLAUNCH_WORLD_ADDR")
+                        if k in os.environ or k.encode() in initial])
 
 
 def all_reduce():
@@ -83,6 +88,12 @@ def hang_in_rank_1():
 
 
 def main():
+    try:
+        mplaunch.World(nprocs=6, nnodes=3, backend="gloo", master_addr="127.0.0.1")
+        say("too_many", raised=None)
+    except ValueError as err:
+        say("too_many", raised=type(err).__name__, message=str(err), steps=steps())
+
     w = mplaunch.World(nprocs=4, nnodes=2, backend="gloo", master_addr="127.0.0.1",
                        timeout=60)
     t0 = time.monotonic()
