@@ -295,3 +295,19 @@ def test_plugin_reuse_tests_share_one_world_across_the_nodes(cluster, tmp_path):
 
 def _job_of(steps):
     return next(s.split()[0].split(".")[0] for s in steps if s.strip())
+
+
+# -- the launching process ends without closing the World -------------------------------
+
+def test_a_world_left_open_or_its_process_killed_leaves_nothing_in_the_allocation(cluster):
+    checks, out, jobs, procs = _run_script(cluster, "world_orphaned.py")
+    exited, killed = checks["exit"], checks["kill"]
+    assert exited["returncode"] == 0, out
+    assert killed["returncode"] == -9, out
+    for how in (exited, killed):
+        [[step, name]] = how["steps_up"]
+        assert name == "mplaunch-world", how
+        # the allocation still runs: the step and the World's processes ended on their own
+        assert how["steps"] == [] and how["alive"] == [], how
+        assert how["seconds"] < 20, how
+    assert jobs == [] and procs == [], (jobs, procs, out)
