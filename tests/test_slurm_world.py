@@ -311,3 +311,52 @@ def test_a_world_left_open_or_its_process_killed_leaves_nothing_in_the_allocatio
         assert how["steps"] == [] and how["alive"] == [], how
         assert how["seconds"] < 20, how
     assert jobs == [] and procs == [], (jobs, procs, out)
+
+
+# -- a batch job ---------------------------------------------------------------------------
+
+def _sbatch(cluster, tmp_path, args, script, timeout=120.0):
+    """Submit `script` as a batch job with `args`; wait for the job to be over; its
+    output. (sbatch -W polls the controller only every few seconds.)"""
+    out = tmp_path / "job.out"
+    res = cluster.run(["sbatch", "--parsable", *args, "-o", str(out), "--wrap",
+                       f"{sys.executable} {os.path.join(SCRIPTS, script)}"],
+                      timeout=60, cwd=ROOT, env={"PYTHONPATH": ROOT})
+    assert res.returncode == 0, res.stdout + res.stderr
+    job = res.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + timeout
+    while job in cluster.job_ids() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert job not in cluster.job_ids(), f"job {job} still running after {timeout} s"
+    return out.read_text() if out.exists() else ""
+
+
+def test_a_batch_job_with_as_many_cpus_on_each_node(cluster, tmp_path):
+    text = _sbatch(cluster, tmp_path, ["-N2"], "world_batch.py")
+    checks = {json.loads(l)["check"]: json.loads(l) for l in text.splitlines()
+              if l.startswith("{")}
+    assert "batch" in checks, text
+    assert checks["batch"]["results"] == [["n1", 10.0], ["n1", 10.0], ["n2", 10.0],
+                                          ["n2", 10.0]], text
+    jobs, procs = _settled(cluster)
+    assert jobs == [] and procs == [], (jobs, procs, text)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "mplaunch bug: srun_argv adds --cpus-per-task=$SLURM_CPUS_ON_NODE, the batch "
+    "node's CPU count, to a step with one task on every node; in an allocation whose "
+    "nodes have fewer CPUs (sbatch -N2 -n3: SLURM_JOB_CPUS_PER_NODE=2,1) srun refuses "
+    "the step ('Unable to create step for job N: More processors requested than "
+    "permitted') and the World cannot start"))
+def test_a_batch_job_with_fewer_cpus_on_one_node(cluster, tmp_path):
+    text = _sbatch(cluster, tmp_path, ["-N2", "-n3"], "world_batch.py")
+    checks = {json.loads(l)["check"]: json.loads(l) for l in text.splitlines()
+              if l.startswith("{")}
+    try:
+        assert "batch" in checks, text
+        assert checks["batch"]["env"]["SLURM_JOB_CPUS_PER_NODE"] == "2,1"
+        assert [r[0] for r in checks["batch"]["results"]] == ["n1", "n1", "n2", "n2"]
+        assert {r[1] for r in checks["batch"]["results"]} == {10.0}
+    finally:
+        jobs, procs = _settled(cluster)
+        assert jobs == [] and procs == [], (jobs, procs, text)
