@@ -435,3 +435,34 @@ def test_heal_false_the_run_after_a_failure_starts_fresh_ranks(world_restart):
     assert [n for n, _ in r["after"]] == ["n1", "n1", "n2", "n2"]
     assert not {p for _, p in r["after"]} & {p for _, p in r["first"]}
     assert r["steps"] == r["steps_before"], "the fresh ranks came in another step"
+
+
+# -- a frozen node ---------------------------------------------------------------------------
+
+_FROZEN_BUG = (
+    "mplaunch bug: ending a World's ranks waits without a deadline for every remote "
+    "rank's exit report: with node 1's agent frozen (SIGSTOP; a hung or unreachable "
+    "node keeps its connection open and answers nothing) Serving.stop() blocks in "
+    "attempt.drive() -> group.wait() (selectors.select, group.py:229) until the agent "
+    "answers, i.e. forever; so run(timeout=3) does not come back at its timeout, and "
+    "close() (also %ranks stop, and the atexit close) never returns")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_FROZEN_BUG)
+def test_a_run_with_a_frozen_node_ends_at_its_timeout(cluster):
+    checks, out, jobs, procs = _run_script(cluster, "world_frozen_node.py", "run")
+    run = checks["run"]
+    assert jobs == [] and procs == [], (jobs, procs, out)
+    assert run["rescued"] == [], f"run(timeout=3) came back only when the agent woke: {run}"
+    assert run["error"].startswith(("LaunchTimeout", "WorkerError")), run
+    assert run["seconds"] < 12, run
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_FROZEN_BUG)
+def test_close_with_a_frozen_node_returns_and_ends_the_step(cluster):
+    checks, out, jobs, procs = _run_script(cluster, "world_frozen_node.py", "close")
+    closed = checks["close"]
+    assert jobs == [] and procs == [], (jobs, procs, out)
+    assert closed["rescued"] == [], f"close() came back only when the agent woke: {closed}"
+    assert closed["error"] is None, closed
+    assert closed["steps"] == [] and closed["alive"] == [], closed
