@@ -140,6 +140,18 @@ def test_exactly_one_step_while_up_and_none_after_close(world_nodes):
     assert [p for p in checks["closed"]["pids"] if _alive(p)] == []
 
 
+def test_two_worlds_at_once_each_have_a_step(world_nodes):
+    checks, out, _, _ = world_nodes
+    job = checks["start"]["job_id"]
+    two = checks["two_worlds"]
+    assert two["steps"] == [[f"{job}.0", "mplaunch-world"],
+                            [f"{job}.1", "mplaunch-world"]], out
+    assert [(r["RANK"], r["SLURMD_NODENAME"], r["SLURM_STEP_ID"]) for r in two["ranks"]] \
+        == [("0", "n1", "1"), ("1", "n2", "1")]
+    assert two["results"] == [[10.0] * 4, [3.0, 3.0]]
+    assert two["after"] == [[f"{job}.0", "mplaunch-world"]]
+
+
 def test_an_exception_heals_keeping_ranks_and_state(world_nodes):
     checks, out, _, _ = world_nodes
     exc = checks["exception"]
@@ -189,7 +201,7 @@ def test_a_foreign_client_at_the_store_port_does_not_disturb_the_world(world_nod
 
 # -- a node's agent killed ---------------------------------------------------------------
 
-def test_a_killed_agent_ends_the_step_and_the_next_run_starts_a_new_one(cluster):
+def test_a_killed_agent_or_cancelled_step_ends_it_and_the_next_run_starts_anew(cluster):
     checks, out, jobs, procs = _run_script(cluster, "world_agent_killed.py")
     up, lost, ended, again = (checks[k] for k in ("up", "lost", "ended", "again"))
     [[step, name]] = up["steps"]
@@ -207,6 +219,15 @@ def test_a_killed_agent_ends_the_step_and_the_next_run_starts_a_new_one(cluster)
     assert {r["step"] for r in again["ranks"]} == {"1"}
     assert not set(r["pid"] for r in again["ranks"]) & set(ended["world_pids"])
     assert again["all_reduce"] == [10.0] * 4
+    # scancel of the World's step: both nodes lost, then a third step
+    cancel = checks["scancel"]
+    assert cancel["step"] == f"{job}.1" and cancel["scancel_rc"] == 0, cancel
+    assert cancel["step_gone"] and cancel["all_gone"], cancel
+    assert cancel["raised"] == "WorkerError", cancel
+    assert "was lost" in cancel["message"], cancel["message"]
+    assert cancel["steps"] == [[f"{job}.2", "mplaunch-world"]], cancel
+    assert [r["node"] for r in cancel["ranks"]] == ["n1", "n1", "n2", "n2"]
+    assert cancel["all_reduce"] == [10.0] * 4
     assert checks["closed"]["step_gone"], out
     assert jobs == [] and procs == [], (jobs, procs, out)
     assert [p for p in checks["closed"]["pids"] if _alive(p)] == []

@@ -1,7 +1,8 @@
 """Run by test_slurm_world inside an allocation (`salloc -N2 python
 world_agent_killed.py`): a World of 4 ranks over 2 nodes whose node 1 agent is killed.
 The next run raises a WorkerError naming node 1; the World's step ends with every
-process of it on both nodes; the run after that starts a new World in a new step.
+process of it on both nodes; the run after that starts a new World in a new step. Then
+that step is cancelled from outside (scancel JOB.STEP): the same again.
 Prints one JSON line per check, as world_nodes.py does."""
 import json
 import os
@@ -82,6 +83,21 @@ def main():
     say("again", ranks=again, nodes=nodes2, all_reduce=w.run(all_reduce), steps=steps(),
         fresh=w.fresh_ranks)
     new_pids = sorted(set(w.pids.values()) | {n["agent_pid"] for n in nodes2})
+
+    # the step cancelled from outside (scancel JOB.STEP): SLURM kills both agents
+    [[step, _]] = steps()
+    cancel = subprocess.run(["scancel", step], capture_output=True, text=True, timeout=30)
+    step_gone = wait_for(lambda: not steps())
+    try:
+        w.run(all_reduce)
+        say("scancel", raised=None)
+    except mplaunch.WorkerError as err:
+        gone = wait_for(lambda: not any(alive(p) for p in new_pids))
+        third = w.run(whoami)
+        say("scancel", step=step, scancel_rc=cancel.returncode, step_gone=step_gone,
+            raised=type(err).__name__, message=str(err), all_gone=gone, ranks=third,
+            steps=steps(), all_reduce=w.run(all_reduce))
+    new_pids += sorted(set(w.pids.values()) | {n["agent_pid"] for n in w.nodes})
     w.close()
     say("closed", step_gone=wait_for(lambda: not steps()), pids=world_pids + new_pids)
 

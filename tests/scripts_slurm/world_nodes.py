@@ -166,6 +166,16 @@ def main():
             steps=steps())
     remember(w)
 
+    # a second World in the same allocation, meanwhile: a step of its own
+    with mplaunch.World(nprocs=2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+                        timeout=60) as w2:
+        second = w2.run(whoami)
+        seen_pids.update(w2.pids.values())
+        seen_pids.update(n["agent_pid"] for n in w2.nodes)
+        both = steps()
+        results = (w.run(all_reduce), w2.run(all_reduce))
+    say("two_worlds", ranks=second, steps=both, results=results, after=steps())
+
     w.close()
     # the step ends with the World: give squeue a moment to hear of it
     deadline = time.monotonic() + 20
