@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -242,7 +243,7 @@ def test_ddp_across_nodes_from_a_kernel_inside_the_allocation(cluster):
                          timeout=170)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
-    cells, steps = {}, {}
+    cells, steps, interrupted = {}, {}, None
     for line in res.stdout.splitlines():
         if line.startswith("{"):
             doc = json.loads(line)
@@ -250,9 +251,13 @@ def test_ddp_across_nodes_from_a_kernel_inside_the_allocation(cluster):
                 cells[doc["id"]] = doc
             elif doc["check"] == "steps":
                 steps[doc["after"]] = doc["steps"]
-    assert list(cells) == ["start", "model", "step", "check", "status", "stop"], out
+            elif doc["check"] == "interrupted":
+                interrupted = doc["pids"]
+    assert list(cells) == ["start", "model", "step", "check", "fails", "interrupt",
+                           "after", "status", "stop"], out
     for name, cell in cells.items():
-        assert not cell["errors"], (name, cell["errors"])
+        if name not in ("fails", "interrupt"):
+            assert not cell["errors"], (name, cell["errors"])
 
     start = cells["start"]["stdout"]
     assert "%ranks: started 4 ranks on 2 nodes (n1, n2), backend gloo" in start, start
@@ -268,6 +273,28 @@ def test_ddp_across_nodes_from_a_kernel_inside_the_allocation(cluster):
         f"[{n} rank{r}]: equal True trained True node {n} step 0"
         for r, n in enumerate(["n1", "n1", "n2", "n2"])], cells["check"]["stdout"]
     assert steps["check"] == steps["start"], "the cells ran in the World's one step"
+
+    # rank 3 (on n2) raises: the cell shows it, the other ranks' output, the world kept
+    [fails] = cells["fails"]["errors"]
+    assert "ValueError: rank 3 on n2 says no" in fails, fails
+    assert "the world was kept" in fails, fails
+    assert sorted(cells["fails"]["stdout"].splitlines()) == [
+        "[n1 rank0]: fine 0", "[n1 rank1]: fine 1", "[n2 rank2]: fine 2"]
+    assert "[n2 rank3]: ValueError: rank 3 on n2 says no" in cells["fails"]["stderr"]
+    # the stop button, while every rank sleeps in the cell: all four interrupted, kept
+    [interrupt] = cells["interrupt"]["errors"]
+    assert "KeyboardInterrupt" in interrupt and "the world was kept" in interrupt, interrupt
+    for rank, node in enumerate(["n1", "n1", "n2", "n2"]):
+        assert f"[{node} rank{rank}]: KeyboardInterrupt" in cells["interrupt"]["stderr"]
+    pids = {int(k): int(v) for k, v in
+            re.findall(r"(\d+): (\d+)", re.search(r"pids \{(.*?)\}", start).group(1))}
+    assert sorted(pids) == [0, 1, 2, 3], start
+    assert {int(k): v for k, v in interrupted.items()} == pids, (interrupted, pids)
+    # ... and the cell after them finds the same processes, their names kept
+    assert sorted(cells["after"]["stdout"].splitlines()) == [
+        f"[{n} rank{r}]: still {r} {pids[r]} DistributedDataParallel"
+        for r, n in enumerate(["n1", "n1", "n2", "n2"])], cells["after"]["stdout"]
+    assert steps["after"] == steps["start"]
 
     status = cells["status"]["stdout"]
     assert status.startswith("4 ranks on 2 nodes, backend gloo: up"), status

@@ -2,7 +2,8 @@
 starts a real Jupyter kernel (ipykernel, this interpreter) as its child, so the kernel
 is inside the allocation as one started from a Jupyter server there would be, and runs
 a notebook's cells in it with nbclient: `%ranks start 4 --nodes 2`, then DDP across
-%%ranks cells. Prints one JSON line per cell (its id, stdout, stderr and errors) and
+%%ranks cells, a cell failing in one rank, a cell stopped with the stop button, and
+a cell after them that finds the ranks and their names kept. Prints one JSON line per cell (its id, stdout, stderr and errors) and
 the job's steps after chosen cells; ends once the kernel has shut down."""
 import asyncio
 import json
@@ -12,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
@@ -50,10 +52,26 @@ same = all(torch.equal(g, gathered[0]) for g in gathered)
 print("equal", same, "trained", not torch.equal(flat, initial),
       "node", os.environ["SLURMD_NODENAME"], "step", os.environ["SLURM_STEP_ID"])
 """,
+    "fails": """%%ranks
+if dist.get_rank() == 3:
+    raise ValueError("rank 3 on " + os.environ["SLURMD_NODENAME"] + " says no")
+print("fine", dist.get_rank())
+""",
+    "interrupt": """%%ranks
+import time
+with open(os.path.join(os.environ["PIDDIR"], str(dist.get_rank())), "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(120)
+""",
+    "after": """%%ranks
+print("still", dist.get_rank(), os.getpid(), type(model).__name__)
+""",
     "status": "%ranks",
     "stop": "%ranks stop",
 }
-STEPS_AFTER = ("start", "check", "stop")
+STEPS_AFTER = ("start", "check", "after", "stop")
+FAILING = ("fails", "interrupt")
+INTERRUPT_TIMEOUT = 60.0
 
 
 def say(check, **facts):
@@ -75,6 +93,23 @@ def stream(cell, name):
                    if o["output_type"] == "stream" and o["name"] == name)
 
 
+async def interrupt_when_started(client, piddir):
+    """Every rank's pid, once all 4 wrote it; then the stop button (SIGINT to the
+    kernel), also when they never did: the cell must end either way."""
+    try:
+        deadline = time.monotonic() + INTERRUPT_TIMEOUT
+        while len(os.listdir(piddir)) < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)    # into the sleep
+        pids = {}
+        for name in os.listdir(piddir):
+            with open(os.path.join(piddir, name)) as f:
+                pids[name] = int(f.read() or 0)
+        return pids
+    finally:
+        await client.km.interrupt_kernel()
+
+
 def main():
     home = tempfile.mkdtemp(prefix="mpl-kd-")
     try:
@@ -92,7 +127,12 @@ def main():
         config = Config()
         config.KernelManager.transport = "ipc"   # no TCP ports picked in advance
         config.KernelManager.ip = os.path.join(home, "k")
-        nb = new_notebook(cells=[new_code_cell(src, id=name)
+        piddir = os.path.join(home, "pids")
+        os.makedirs(piddir)
+        os.environ["PIDDIR"] = piddir    # the kernel's, and so the ranks' on each node
+        tag = {"tags": ["raises-exception"]}
+        nb = new_notebook(cells=[new_code_cell(src, id=name,
+                                               metadata=tag if name in FAILING else {})
                                  for name, src in CELLS.items()])
         client = NotebookClient(nb, timeout=150, startup_timeout=90,
                                 kernel_name="python3", config=config,
@@ -101,7 +141,19 @@ def main():
         async def scenario():
             async with client.async_setup_kernel():
                 for i, cell in enumerate(nb.cells):
-                    await client.async_execute_cell(cell, i)
+                    if cell.id == "interrupt":
+                        # the stop button, once every rank is in the cell
+                        waiter = asyncio.ensure_future(interrupt_when_started(client,
+                                                                              piddir))
+                        try:
+                            await client.async_execute_cell(cell, i)
+                        finally:
+                            if not waiter.done():
+                                waiter.cancel()
+                        say("interrupted", pids=waiter.result() if waiter.done()
+                            and not waiter.cancelled() else None)
+                    else:
+                        await client.async_execute_cell(cell, i)
                     errors = [plain(o["traceback"]) for o in cell.outputs
                               if o["output_type"] == "error"]
                     say("cell", id=cell.id, stdout=stream(cell, "stdout"),
