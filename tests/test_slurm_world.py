@@ -4,8 +4,14 @@ nnodes=2)): the throwaway two-node cluster of slurm_cluster (n1 and n2, both on
 `salloc -N2` as a user would start one, and what SLURM itself says about the job's
 steps while the World is up and after it closed.
 
-Each script prints one JSON line per check ({"check": name, ...}); the tests parse them.
-One cluster serves the whole module; each test makes its own allocation.
+Each script (tests/scripts_slurm) prints one JSON line per check ({"check": name, ...});
+the tests parse them. One cluster serves the whole module; each script gets its own
+allocation, and every test ends by proving that once the allocation is over the
+controller knows no job and no process of the cluster's jobs is left
+(SlurmCluster.job_processes finds them by pid, never by name).
+
+The xfail(strict=True) tests are mplaunch bugs found here, each described in its
+reason; they pass once it is fixed.
 """
 from __future__ import annotations
 
@@ -361,7 +367,7 @@ def test_a_world_left_open_or_its_process_killed_leaves_nothing_in_the_allocatio
     assert jobs == [] and procs == [], (jobs, procs, out)
 
 
-# -- a batch job ---------------------------------------------------------------------------
+# -- a batch job ---------------------------------------------------------------------
 
 def _sbatch(cluster, tmp_path, args, script, timeout=120.0):
     """Submit `script` as a batch job with `args`; wait for the job to be over; its
@@ -410,7 +416,7 @@ def test_a_batch_job_with_fewer_cpus_on_one_node(cluster, tmp_path):
         assert jobs == [] and procs == [], (jobs, procs, text)
 
 
-# -- foreign clients at the agents' port ---------------------------------------------------
+# -- foreign clients at the agents' port ----------------------------------------------
 
 def _agent_port(cluster, mode):
     checks, out, jobs, procs = _run_script(cluster, "world_agent_port.py", mode)
@@ -485,7 +491,7 @@ def test_heal_false_the_run_after_a_failure_starts_fresh_ranks(world_restart):
     assert r["steps"] == r["steps_before"], "the fresh ranks came in another step"
 
 
-# -- a frozen node ---------------------------------------------------------------------------
+# -- a frozen node --------------------------------------------------------------------
 
 _FROZEN_BUG = (
     "mplaunch bug: ending a World's ranks waits without a deadline for every remote "

@@ -3,8 +3,9 @@ starts a real Jupyter kernel (ipykernel, this interpreter) as its child, so the 
 is inside the allocation as one started from a Jupyter server there would be, and runs
 a notebook's cells in it with nbclient: `%ranks start 4 --nodes 2`, then DDP across
 %%ranks cells, a cell failing in one rank, a cell stopped with the stop button, and
-a cell after them that finds the ranks and their names kept. Prints one JSON line per cell (its id, stdout, stderr and errors) and
-the job's steps after chosen cells; ends once the kernel has shut down."""
+a cell after them that finds the ranks and their names kept. Prints one JSON line per
+cell (its id, stdout, stderr and errors) and the job's steps after chosen cells; ends
+once the kernel has shut down."""
 import asyncio
 import json
 import os
