@@ -554,3 +554,25 @@ def test_env_callable_is_called_with_each_global_rank(world_options):
     checks, out, _, _ = world_options
     assert checks["env_callable"]["ranks"] == [[str(r), str(r), None] for r in range(4)], \
         checks["env_callable"]
+
+
+def test_stacks_from_another_thread_reach_every_node(world_options):
+    checks, out, _, _ = world_options
+    stacks = checks["stacks"]
+    assert stacks["ranks"] == [0, 1, 2, 3], out
+    # all four in the same place, the sleeper's frame shown
+    assert "ranks 0-3:" in stacks["text"], stacks["text"]
+    assert "in sleeper" in stacks["text"] and "time.sleep(3)" in stacks["text"], stacks
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "mplaunch bug: with log_dir= across nodes each node's ranks write "
+    "<log_dir>/attempt_0/<local rank>/stdout.log (and stderr.log, error.json), so "
+    "ranks 0 and 2, and 1 and 3, write the same files (on a shared file system, as "
+    "here): rank 2's output replaces rank 0's, and 1's and 3's interleave"))
+def test_log_dir_keeps_every_ranks_output_across_nodes(world_options):
+    checks, out, _, _ = world_options
+    files = checks["log_dir"]["files"]
+    stdout = "".join(text for name, text in files.items() if name.endswith("stdout.log"))
+    for rank in range(4):
+        assert stdout.count(f"hello from rank {rank}\n") == 1, (rank, files)
