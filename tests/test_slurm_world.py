@@ -566,10 +566,12 @@ def test_stacks_from_another_thread_reach_every_node(world_options):
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "mplaunch bug: with log_dir= across nodes each node's ranks write "
-    "<log_dir>/attempt_0/<local rank>/stdout.log (and stderr.log, error.json), so "
-    "ranks 0 and 2, and 1 and 3, write the same files (on a shared file system, as "
-    "here): rank 2's output replaces rank 0's, and 1's and 3's interleave"))
+    "mplaunch bug: the launching process relays every rank's output, remote ones "
+    "too, and RankState._relay (ranks.py) writes it to "
+    "<log_dir>/attempt_N/<local rank>/stdout.log (and stderr.log; outcome.py the same "
+    "for error.json), opened 'wb': ranks 0 and 2 (local rank 0 on each node), and 1 "
+    "and 3, share one file, so rank 2's output replaces rank 0's and 1's and 3's mix; "
+    "the folder would be the global rank"))
 def test_log_dir_keeps_every_ranks_output_across_nodes(world_options):
     checks, out, _, _ = world_options
     files = checks["log_dir"]["files"]
