@@ -314,7 +314,8 @@ def test_ddp_across_nodes_from_a_kernel_inside_the_allocation(cluster):
 
 # -- the pytest plugin's reuse across nodes ----------------------------------------------
 
-def test_plugin_reuse_tests_share_one_world_across_the_nodes(cluster, tmp_path):
+def test_plugin_reuse_tests_share_one_world_across_the_nodes_through_a_failure(cluster,
+                                                                               tmp_path):
     inner = tmp_path / "inner"
     inner.mkdir()
     out = tmp_path / "out"
@@ -328,8 +329,10 @@ def test_plugin_reuse_tests_share_one_world_across_the_nodes(cluster, tmp_path):
                       env={"PYTHONPATH": ROOT, "OUT": str(out),
                            "MPLAUNCH_TEST_NNODES": "2"})
     text = res.stdout + res.stderr
-    assert res.returncode == 0, text
-    assert "3 passed" in res.stdout, text
+    assert res.returncode == 1, text
+    assert "1 failed, 4 passed" in res.stdout, text
+    assert "FAILED test_reuse_nodes.py::test_d_fails_on_node_1" in res.stdout, text
+    assert "FAILS-IN-RANK-2 on n2" in res.stdout, text
 
     def recorded(name):
         return {int(f.name.rsplit("rank", 1)[1]): tuple(f.read_text().split())
@@ -339,6 +342,7 @@ def test_plugin_reuse_tests_share_one_world_across_the_nodes(cluster, tmp_path):
     assert sorted(a) == [0, 1, 2, 3], text
     assert [a[r][1] for r in range(4)] == ["n1", "n1", "n2", "n2"], a
     assert a == c, "the two tests ran in different worlds"
+    assert recorded("e") == a, "the failing test's World was not kept for the next"
     steps = (out / "steps").read_text().split("\n")
     assert [s.split() for s in steps if s.strip()] == [[f"{_job_of(steps)}.0",
                                                         "mplaunch-world"]], steps

@@ -2,7 +2,9 @@
 pytest` with MPLAUNCH_TEST_NNODES=2 and OUT naming a directory: reuse tests in a World
 across the allocation's two nodes. Each rank of each test writes
 OUT/<test>-rank<R> = "pid node"; the plain test in between (run in this pytest process,
-inside the allocation) writes OUT/steps, the job's steps while the World is up."""
+inside the allocation) writes OUT/steps, the job's steps while the World is up. A test
+failing in rank 2 (on n2) heals the World, and the test after it runs in the same
+ranks."""
 import os
 import pathlib
 import subprocess
@@ -41,3 +43,14 @@ def test_c_nodes_from_the_environment():
     dist.broadcast(t, src=3)
     assert t.item() == 3.0
     record("c")
+
+
+@pytest.mark.mplaunch(nprocs=4, nnodes=2, reuse=True, master_addr="127.0.0.1")
+def test_d_fails_on_node_1():
+    assert dist.get_rank() != 2, "FAILS-IN-RANK-2 on " + os.environ["SLURMD_NODENAME"]
+
+
+@pytest.mark.mplaunch(nprocs=4, nnodes=2, reuse=True, master_addr="127.0.0.1")
+def test_e_after_the_failure():
+    dist.barrier()
+    record("e")
