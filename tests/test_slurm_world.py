@@ -495,6 +495,18 @@ def test_heal_false_the_run_after_a_failure_starts_fresh_ranks(world_restart):
     assert r["steps"] == r["steps_before"], "the fresh ranks came in another step"
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_REOPEN_BUG)
+def test_after_a_nodes_server_was_killed_the_next_run_starts_fresh_ranks(world_restart):
+    checks, out, _, _ = world_restart
+    r = checks["server_killed"]
+    # the run that finds node 1's ranks gone says why
+    assert r["failed"].startswith("WorkerError: rank "), r
+    assert "node 1 (n2), was lost: mplaunch's server on this node" in r["failed"], r
+    # the next one starts fresh ranks on both nodes
+    assert r["run_error"] is None, r
+    assert [n for n, _ in r["after"]] == ["n1", "n1", "n2", "n2"]
+
+
 # -- a frozen node --------------------------------------------------------------------
 
 _FROZEN_BUG = (
