@@ -1,0 +1,86 @@
+"""Run by test_slurm_world inside an allocation (`salloc -N2 python world_restart.py`):
+a World of 4 ranks over 2 nodes whose ranks end while its nodes stay (its agents and
+their step are kept for the next ranks): World.restart(), and the first run after a
+failed one with heal=False; and the run after node 1's warm server (the ranks' parent
+there) was killed. Each must start fresh ranks. Prints one
+JSON line per case (a run that raised says so rather than ending the script)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import mplaunch
+
+JOB = os.environ["SLURM_JOB_ID"]
+
+
+def say(check, **facts):
+    print(json.dumps(dict(facts, check=check), sort_keys=True), flush=True)
+
+
+def steps():
+    out = subprocess.run(["squeue", "-s", "-j", JOB, "-h", "-o", "%i %j"],
+                         capture_output=True, text=True, timeout=30).stdout
+    return [line.split(None, 1) for line in out.splitlines() if line.strip()]
+
+
+def where():
+    return os.environ["SLURMD_NODENAME"], os.getpid()
+
+
+def fail_in_rank_1():
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank 1 says no")
+
+
+def attempt(func):
+    """(result, None) or (None, 'Type: first line of the message')."""
+    try:
+        return func(), None
+    except Exception as exc:   # noqa: BLE001 - reported to the test
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+
+
+def main():
+    with mplaunch.World(nprocs=4, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+                        timeout=60) as w:
+        first = w.run(where)
+        before_steps = steps()
+        _, restart_error = attempt(w.restart)
+        after, run_error = attempt(lambda: w.run(where))
+        say("restart", first=first, steps_before=before_steps, restart_error=restart_error,
+            after=after, run_error=run_error, steps=steps())
+
+    with mplaunch.World(nprocs=4, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+                        timeout=60, heal=False) as w:
+        first = w.run(where)
+        before_steps = steps()
+        _, failed = attempt(lambda: w.run(fail_in_rank_1))
+        after, run_error = attempt(lambda: w.run(where))
+        say("no_heal", first=first, steps_before=before_steps, failed=failed,
+            after=after, run_error=run_error, steps=steps())
+
+    # node 1's warm server (the ranks' parent there) killed: its ranks go with it
+    with mplaunch.World(nprocs=4, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+                        timeout=60) as w:
+        first = w.run(where)
+        before_steps = steps()
+        server = parent_of(w.pids[2])
+        os.kill(server, signal.SIGKILL)
+        time.sleep(1)   # its agent has heard of it (else a run may still get replies)
+        _, failed = attempt(lambda: w.run(where))
+        after, run_error = attempt(lambda: w.run(where))
+        say("server_killed", first=first, steps_before=before_steps, failed=failed,
+            after=after, run_error=run_error, steps=steps(), server=server,
+            agent=w.nodes[1]["agent_pid"] if w.nodes else None)
+
+
+def parent_of(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
