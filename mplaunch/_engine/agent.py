@@ -179,12 +179,14 @@ class Agent:
         pids = self._pids(tokens)
         if pids and self.spawner is not None:
             self.spawner.signal_groups(signo, pids)
+        self._send(tunnel.SIGNALED)   # alive: the launching process times this
 
     def _signal_ranks(self, _token, body) -> None:
         signo, tokens = body
         pids = self._pids(tokens)
         if pids and self.spawner is not None:
             self.spawner.signal_ranks(signo, pids)
+        self._send(tunnel.SIGNALED)
 
     def _sweep(self, _token, _body) -> None:
         if self.spawner is not None:

@@ -164,7 +164,9 @@ class Pump:
             self._lost(link)
             return
         kind, token, body = frame
-        if kind in (tunnel.OUT, tunnel.ERR):
+        if kind == tunnel.SIGNALED:
+            link.acked += 1
+        elif kind in (tunnel.OUT, tunnel.ERR):
             self._output(token, "out" if kind == tunnel.OUT else "err", body)
         elif kind == tunnel.FROM_RANK:
             proxy = self.proxies.get(token)

@@ -40,6 +40,7 @@ __mplaunch_plumbing__ = True
 
 JOIN_TIMEOUT = 120.0     # for every agent to connect and prove itself
 KILL_REPORT_WAIT = 5.0   # for an agent to report the exits of ranks it SIGKILLed
+SIGNAL_ACK_WAIT = 3.0    # for an agent to answer a signal request (it does at once)
 
 
 @dataclasses.dataclass
@@ -62,6 +63,8 @@ class Link:
         self.info = info
         self.lock = threading.Lock()      # whole frames from any thread
         self.lost: Optional[str] = None   # why the connection ended
+        self.signals = 0                  # signal requests sent, and answered (the pump
+        self.acked = 0                    # counts those): a frozen agent answers none
 
     def send(self, kind: int, token: int = 0, body=b"") -> bool:
         if self.lost is not None:
@@ -429,13 +432,27 @@ class RemoteSpawner:
     def _signal(self, kind: int, signo: int, tokens) -> None:
         for node, ts in self._tokens_by_link(tokens).items():
             link = self.hub.links[node]
-            link.send(kind, 0, (signo, ts))
+            if not link.send(kind, 0, (signo, ts)):
+                continue
+            link.signals += 1
+            timer = threading.Timer(SIGNAL_ACK_WAIT, self._check_acked,
+                                    (link, link.signals))
+            timer.daemon = True
+            timer.start()
             if signo == signal.SIGKILL:
                 # A SIGKILLed rank's exit is reported within milliseconds; an agent that
                 # does not report it (frozen, cut off) has lost its node.
                 timer = threading.Timer(KILL_REPORT_WAIT, self._check_killed, (link, ts))
                 timer.daemon = True
                 timer.start()
+
+    def _check_acked(self, link: "Link", count: int) -> None:
+        """In a timer's thread: signal request number `count` went SIGNAL_ACK_WAIT ago."""
+        if self.events is None or link.lost is not None or link.acked >= count:
+            return
+        link.lost = (f"its agent did not answer a signal request within "
+                     f"{SIGNAL_ACK_WAIT:g} s (is the node frozen, or cut off?)")
+        self.post((None, 0, link.lost, link))
 
     def _check_killed(self, link: "Link", tokens) -> None:
         """In a timer's thread: `tokens` were SIGKILLed KILL_REPORT_WAIT ago."""

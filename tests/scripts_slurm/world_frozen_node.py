@@ -59,7 +59,10 @@ def main(mode):
     seconds = round(time.monotonic() - t0, 1)
     timer.cancel()
     if not rescued:
-        os.kill(agent, signal.SIGCONT)
+        try:
+            os.kill(agent, signal.SIGCONT)   # if it is still there: SLURM killed it
+        except ProcessLookupError:
+            pass
     if mode == "close":
         # what close() left: given a moment, no step and no process of the World
         deadline = time.monotonic() + 10
