@@ -88,7 +88,11 @@ def rank_env(*, base: Mapping[str, str], rank: int, local_rank: int, world_size:
                     "SLURM_NPROCS": str(world_size), "SLURM_NNODES": str(nnodes),
                     "SLURM_NTASKS_PER_NODE": str(local_world_size),
                     "SLURM_STEP_NUM_TASKS": str(world_size),
-                    "SLURM_STEP_NUM_NODES": str(nnodes)})
+                    "SLURM_STEP_NUM_NODES": str(nnodes),
+                    "SLURM_TASKS_PER_NODE": f"{local_world_size}(x{nnodes})",
+                    "SLURM_STEP_TASKS_PER_NODE": f"{local_world_size}(x{nnodes})",
+                    "SLURM_GTIDS": ",".join(str(node_rank * local_world_size + i)
+                                            for i in range(local_world_size))})
     if store:
         # Read by the rank's env:// hook; each attempt has its own keys in the store.
         env["MPLAUNCH_STORE"] = store

@@ -155,9 +155,10 @@ class RankGroup:
         for r in lost:
             r.status = signal.SIGKILL
             r.exited_at = time.time()
-            self.record(of_rank(r, self.attempt, exitcode=-signal.SIGKILL, signal="SIGKILL",
+            # How it ended is not known here: its node is gone, with the news.
+            self.record(of_rank(r, self.attempt, exitcode=None,
                                 message=message if r is lost[0]
-                                else "it was on the same node"))
+                                else "is gone with it (on the same node)"))
         self.stop(signal.SIGTERM)
 
     def start_failed(self, token: int, reason: str) -> None:

@@ -217,7 +217,7 @@ class Hub:
             text = out.read()[-3000:].decode(errors="replace").strip()
         except (OSError, ValueError):
             text = ""
-        cmd = shlex.join(srun_argv(self.nnodes, ["python", "-m", AGENT_MODULE]))
+        cmd = shlex.join(srun_argv(self.nnodes, [sys.executable, "-m", AGENT_MODULE]))
         return (f"the step ({cmd}) printed:\n{text}" if text
                 else f"the step ({cmd}) printed nothing")
 
@@ -412,8 +412,8 @@ class RemoteSpawner:
             return
         self._lost_seen.add(link.info.index)
         tokens = [t for t, p in self._tokens.items() if p.link is link]
-        self.events.node_lost(tokens, f"its node, {link.describe()}, was lost: {why}; "
-                                      "every rank there is gone")
+        self.events.node_lost(tokens, f"is gone: its node, {link.describe()}, was lost: "
+                                      f"{why}; every rank there is gone")
 
     def _tokens_by_link(self, tokens):
         by: Dict[int, List[int]] = {}

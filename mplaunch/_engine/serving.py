@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional
@@ -173,7 +174,7 @@ class Serving:
                 user_envs=tuple(user_env_for(self.nodes.env, first + lr)
                                 for lr in range(n)))
             specs += rank_specs(cfg, self._generation, hosted.port, hosted.address,
-                                serve=True, base=info.environ, host=info.name)
+                                serve=True, base=_node_base(info.environ), host=info.name)
         return specs
 
     @property
@@ -314,6 +315,16 @@ class Serving:
             results_or_raise(attempt)    # raises what stopped it
             raise RuntimeError("a rank did not answer mplaunch's own call")
         return [r.result for r in ranks]
+
+
+def _node_base(environ: dict) -> dict:
+    """A node's environment for its ranks: its agent's, with the job's name as the
+    launching process sees it (the step's ``--job-name`` is mplaunch's, not the job's;
+    Lightning reads it to tell an interactive allocation)."""
+    base = dict(environ)
+    if "SLURM_JOB_NAME" in os.environ:
+        base["SLURM_JOB_NAME"] = os.environ["SLURM_JOB_NAME"]
+    return base
 
 
 @contextlib.contextmanager
