@@ -174,6 +174,7 @@ class World:
         self._engine.close_nodes()
         self.cfg = cfg
         self._engine = Serving(cfg, backend, self.heal, _CALLS, plan)
+        self._engine.fresh = list(range(cfg.world_size))   # every rank is new
 
     def close(self) -> None:
         """End every rank and release the store's port. Idempotent; from another thread

@@ -383,6 +383,27 @@ def test_a_killed_agent_names_its_node_and_the_next_run_starts_a_fresh_step():
         assert w.run(allreduce_sum) == [10.0] * 4
 
 
+def test_restart_re_forms_the_world_on_fewer_nodes_then_more():
+    # What the survivors of a --no-kill allocation do (docs/multinode.rst): a new step
+    # of the nodes asked for, fresh ranks, as many per node unless nprocs says.
+    with world() as w:
+        assert w.run(allreduce_sum) == [10.0] * 4
+        step, tree = _tree(w)
+        w.restart(nnodes=1)
+        assert (w.nprocs, w.nnodes, len(w.nodes)) == (2, 1, 1)
+        assert w.fresh_ranks == [0, 1]
+        assert w.run(allreduce_sum) == [3.0, 3.0]
+        assert _alive(tree) == [], "the first step's processes remain"
+        assert _tree(w)[0] != step
+        w.restart(nnodes=2, nprocs=2)
+        assert (w.nprocs, w.nnodes) == (2, 2)
+        assert [e["NODE_RANK"] for e, *_ in w.run(whoami)] == ["0", "1"]
+    with world() as w, pytest.raises(ValueError, match="multiple of 2"):
+        w.restart(nnodes=2, nprocs=3)
+    with mplaunch.World(2) as one, pytest.raises(ValueError, match="across nodes"):
+        one.restart(nnodes=2)
+
+
 # -- 6. authentication ------------------------------------------------------------------
 
 SECRET = "s3cret" * 10
