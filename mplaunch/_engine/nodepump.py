@@ -10,6 +10,7 @@ import os
 import selectors
 import socket
 import threading
+import time
 from typing import Dict, List, Sequence
 
 from . import servers
@@ -153,11 +154,17 @@ class Pump:
             self._sel.unregister(proxy.stack)
 
     def _on_link(self, link) -> None:
+        # `reading`/`heard`: the agent is alive and talking, however long a frame takes
+        # (a large result), which the liveness checks (_engine.remote) allow for.
+        link.reading = True
         try:
             frame = tunnel.recv(link.sock)
         except OSError as exc:
             frame = None
             link.lost = link.lost or f"its connection failed ({exc})"
+        finally:
+            link.reading = False
+            link.heard = time.monotonic()
         if frame is None:
             link.lost = link.lost or "its connection closed"
             self._sel.unregister(link.sock)

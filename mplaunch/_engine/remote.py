@@ -65,6 +65,8 @@ class Link:
         self.lost: Optional[str] = None   # why the connection ended
         self.signals = 0                  # signal requests sent, and answered (the pump
         self.acked = 0                    # counts those): a frozen agent answers none
+        self.reading = False              # the pump is reading a frame of it now
+        self.heard = time.monotonic()     # when the pump last read one
 
     def send(self, kind: int, token: int = 0, body=b"") -> bool:
         if self.lost is not None:
@@ -435,34 +437,50 @@ class RemoteSpawner:
             if not link.send(kind, 0, (signo, ts)):
                 continue
             link.signals += 1
-            timer = threading.Timer(SIGNAL_ACK_WAIT, self._check_acked,
-                                    (link, link.signals))
-            timer.daemon = True
-            timer.start()
+            self._arm(SIGNAL_ACK_WAIT, self._check_acked,
+                      (link, link.signals, time.monotonic()))
             if signo == signal.SIGKILL:
                 # A SIGKILLed rank's exit is reported within milliseconds; an agent that
                 # does not report it (frozen, cut off) has lost its node.
-                timer = threading.Timer(KILL_REPORT_WAIT, self._check_killed, (link, ts))
-                timer.daemon = True
-                timer.start()
+                self._arm(KILL_REPORT_WAIT, self._check_killed, (link, ts, time.monotonic()))
 
-    def _check_acked(self, link: "Link", count: int) -> None:
+    @staticmethod
+    def _arm(wait: float, check, args) -> None:
+        timer = threading.Timer(wait, check, args)
+        timer.daemon = True
+        timer.start()
+
+    @staticmethod
+    def _talking(link: "Link", since: float) -> bool:
+        """The agent sent something after `since`, or is sending now: it is alive, and
+        busy (a large result on a slow network), not frozen."""
+        return link.reading or link.heard > since
+
+    def _check_acked(self, link: "Link", count: int, since: float) -> None:
         """In a timer's thread: signal request number `count` went SIGNAL_ACK_WAIT ago."""
         if self.events is None or link.lost is not None or link.acked >= count:
+            return
+        if self._talking(link, since):
+            self._arm(SIGNAL_ACK_WAIT, self._check_acked,
+                      (link, count, time.monotonic()))
             return
         link.lost = (f"its agent did not answer a signal request within "
                      f"{SIGNAL_ACK_WAIT:g} s (is the node frozen, or cut off?)")
         self.post((None, 0, link.lost, link))
 
-    def _check_killed(self, link: "Link", tokens) -> None:
+    def _check_killed(self, link: "Link", tokens, since: float) -> None:
         """In a timer's thread: `tokens` were SIGKILLed KILL_REPORT_WAIT ago."""
         if self.events is None or link.lost is not None:
             return
-        if any(t in self._tokens and t not in self._exited for t in tokens):
-            link.lost = (f"its agent did not report its ranks' exits within "
-                         f"{KILL_REPORT_WAIT:g} s of their SIGKILL (is the node frozen, "
-                         f"or cut off?)")
-            self.post((None, 0, link.lost, link))
+        if not any(t in self._tokens and t not in self._exited for t in tokens):
+            return
+        if link.reading:   # the reports may be queued behind a large frame
+            self._arm(KILL_REPORT_WAIT, self._check_killed, (link, tokens, since))
+            return
+        link.lost = (f"its agent did not report its ranks' exits within "
+                     f"{KILL_REPORT_WAIT:g} s of their SIGKILL (is the node frozen, or "
+                     f"cut off?)")
+        self.post((None, 0, link.lost, link))
 
     def _round(self, kind: int, ack: int, timeout: float) -> None:
         self._acks = set()
