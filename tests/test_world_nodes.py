@@ -617,6 +617,29 @@ def test_junk_on_the_store_port_runs_nothing_and_the_world_keeps_working(tmp_pat
     assert not marker.exists()
 
 
+def gloo_listeners():
+    from mplaunch._rank import endpoints
+    return sorted(endpoints.known().own)
+
+
+def test_junk_on_every_ranks_gloo_port_runs_nothing_and_breaks_nothing(tmp_path):
+    # The other ports a World opens: each rank's gloo listener (torch's), across nodes.
+    marker = tmp_path / "unpickled"
+    with world() as w:
+        ports = [tuple(e) for listeners in w.run(gloo_listeners) for e in listeners]
+        assert len(ports) >= 4, ports
+        for addr, port in ports:
+            for junk in (pickle.dumps(_Boom(marker)), os.urandom(4096), b""):
+                with socket.create_connection((addr, port), timeout=5) as s:
+                    s.sendall(junk)
+                    time.sleep(0.05)
+        assert w.run(allreduce_sum) == [10.0] * 4
+        with pytest.raises(mplaunch.WorkerError):      # a heal still releases and rebuilds
+            w.run(fail_in_rank_three)
+        assert w.run(allreduce_sum) == [10.0] * 4
+    assert not marker.exists()
+
+
 # -- 7. nodes with addresses of their own ------------------------------------------------
 
 def test_nodes_in_network_namespaces_use_their_own_addresses(netns_hosts):
