@@ -52,6 +52,13 @@ def exited(r: RankState, attempt: int, status: int) -> Optional[RankFailure]:
     return of_rank(r, attempt, exitcode=exitcode)
 
 
+def gone_with_node(r: RankState, attempt: int, message: Optional[str]) -> RankFailure:
+    """Rank `r` is gone with its node (a World across nodes): how it ended is not known
+    here, since the news went with the node. `message` for the first such rank."""
+    return of_rank(r, attempt, exitcode=None,
+                   message=message or "is gone with it (on the same node)")
+
+
 def of_node(first: RankSpec, attempt: int, message: str) -> RankFailure:
     """A failure of a node as a whole (not of one rank's process), recorded under its
     first rank."""

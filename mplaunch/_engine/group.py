@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from . import spawners
-from .failures import exited as exit_failure, of_node, of_rank, raised
+from .failures import exited as exit_failure, gone_with_node, of_node, of_rank, raised
 from .config import LaunchConfig
 from .output import StreamRelay, read_pipe
 from .ranks import RankState, drain_outputs
@@ -148,17 +148,12 @@ class RankGroup:
             self._on_exit(r, status)
 
     def node_lost(self, tokens: Sequence[int], message: str) -> None:
-        """A node of a World across nodes is gone, and its ranks with it: recorded as
-        their deaths, and the whole group torn down (healing cannot replace a rank on a
-        node that is not there)."""
+        """A node of a World across nodes is gone with its ranks: recorded as their
+        deaths, and the whole group torn down (no rank is replaced on a lost node)."""
         lost = [self.ranks[t] for t in tokens if self.ranks[t].alive]
         for r in lost:
-            r.status = signal.SIGKILL
-            r.exited_at = time.time()
-            # How it ended is not known here: its node is gone, with the news.
-            self.record(of_rank(r, self.attempt, exitcode=None,
-                                message=message if r is lost[0]
-                                else "is gone with it (on the same node)"))
+            r.status, r.exited_at = signal.SIGKILL, time.time()
+            self.record(gone_with_node(r, self.attempt, message if r is lost[0] else None))
         self.stop(signal.SIGTERM)
 
     def start_failed(self, token: int, reason: str) -> None:

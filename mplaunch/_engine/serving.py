@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 from . import servers, signals
 from .attempt import Attempt
-from . import remote
+from . import nodespawner, remote
 from .config import LaunchConfig, rank_specs, with_streams
 from .env import user_env_for
 from .heal import CallDriver, consequences_last, what_was_kept
@@ -113,7 +113,7 @@ class Serving:
             make_spawner = None
             if self.nodes is not None:
                 hub = self._nodes_hub()
-                make_spawner = lambda c, events: remote.RemoteSpawner(c, events, hub)  # noqa: E731
+                make_spawner = lambda c, events: nodespawner.RemoteSpawner(c, events, hub)  # noqa: E731
             # The first "call" is the set-up: the ranks start from it.
             session = stack.enter_context(
                 Session(cfg, dumps_payload(self.calls.setup, (self.backend,), {}),
