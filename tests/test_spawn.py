@@ -32,9 +32,16 @@ def _clean_env():
 @pytest.mark.parametrize("which", ["mplaunch", "torch"])
 def test_the_ddp_tutorial_runs_unchanged(which):
     """The same script under torch's spawn and ours: same output, exit 0."""
-    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "ddp_tutorial.py"),
-                           str(_free_port()), which], env=_clean_env(),
-                          capture_output=True, text=True, timeout=150)
+    for _ in range(3 if which == "torch" else 1):
+        proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "ddp_tutorial.py"),
+                               str(_free_port()), which], env=_clean_env(),
+                              capture_output=True, text=True, timeout=150)
+        # torch's own spawn, the baseline (no mplaunch in it), sometimes aborts at the
+        # group's teardown: a gloo thread's std::thread destroyed while joinable (seen
+        # once in CI: "terminate called without an active exception", SIGABRT). That
+        # is torch's, so its run is tried again; ours never is.
+        if "terminate called without an active exception" not in proc.stderr:
+            break
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         for what in ("Running", "Finished running"):
