@@ -82,7 +82,10 @@ __all__ = ["Host", "Network", "NetnsError", "NetnsUnavailable", "network", "netn
            "unavailable_reason", "IFNAME", "TORCH_ENV"]
 
 IFNAME = "mplnet0"   # the interface inside every namespace
-TORCH_ENV = {"GLOO_SOCKET_IFNAME": IFNAME, "TORCHELASTIC_USE_AGENT_STORE": "True"}
+# TORCHELASTIC_RESTART_COUNT: torch 2.1's tcp:// rendezvous reads it whenever
+# TORCHELASTIC_USE_AGENT_STORE is set (a KeyError without it).
+TORCH_ENV = {"GLOO_SOCKET_IFNAME": IFNAME, "TORCHELASTIC_USE_AGENT_STORE": "True",
+             "TORCHELASTIC_RESTART_COUNT": "0"}
 
 _counter = itertools.count()
 _LOCK = os.path.join("/run/lock" if os.path.isdir("/run/lock") else "/tmp",

@@ -220,8 +220,12 @@ def test_gloo_all_reduce_across_namespaces(netns_hosts, root_store):
     results = _ranks([a, b], f"tcp://{root}:{root_store}", env)
     for me, peer, res in ((a, b, results[0]), (b, a, results[1])):
         assert res["sum"] == 3.0
-        # gloo listens on this namespace's address only, nothing else listens
-        assert res["listen"] and all(ip == me.addr for ip, _ in res["listen"]), res
+        # gloo listens on this namespace's address only; the one other listener
+        # tolerated is a wildcard on the store's port (torch 2.14's rank 0 hosts a
+        # store of its own there despite TORCHELASTIC_USE_AGENT_STORE)
+        named = [ip for ip, port in res["listen"]
+                 if not (ip in ("::", "0.0.0.0") and port == root_store)]
+        assert named and all(ip == me.addr for ip in named), res
         # the pair to the peer runs between the two addresses; the store's is to root
         assert any(l == me.addr and r == peer.addr for l, r, _ in res["peers"]), res
         assert any(l == me.addr and r == root and p == root_store
