@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVa
 import dataclasses
 import socket
 
-from ._engine.config import (DEFAULT_PREFIX, LaunchConfig, check_call,  # noqa: F401
+from ._engine.config import (DEFAULT_PREFIX, LaunchConfig, check_call,
                              placement_args, seconds, validate)
 from ._engine.serving import NodesPlan, RankCalls, Serving
 from ._rank import heal, procgroup
@@ -64,6 +64,7 @@ class World:
         self.heal = heal
         starter = options.pop("_starter", None)   # tests: agents started another way
         self._made_with = (backend, dict(options), starter)   # for restart(nnodes=)
+        self.cfg: LaunchConfig
         nodes = None
         if nnodes is not None and nnodes != 1:
             self.cfg, nodes = _across_nodes(nprocs, nnodes, backend, options, starter)
@@ -212,7 +213,7 @@ NODES_PREFIX = "[{host} rank{rank}]: "
 def _across_nodes(nprocs, nnodes, backend, options, starter):
     """The configuration of a World whose `nprocs` ranks are split evenly over `nnodes`
     nodes of this SLURM allocation, checked before anything starts."""
-    from ._engine import remote
+    from ._engine import nodestep
     if not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1:
         raise ValueError(f"nnodes must be an int >= 1 (the nodes of this allocation the "
                          f"World spans), got {nnodes!r}")
@@ -232,7 +233,7 @@ def _across_nodes(nprocs, nnodes, backend, options, starter):
     if options.get("stdin_rank") not in (None, 0):
         raise ValueError("across nodes no rank reads this terminal; leave stdin_rank out")
     if starter is None:
-        remote.check_allocation(nnodes)
+        nodestep.check_allocation(nnodes)
     address = options.pop("master_addr", None) or _this_host_address()
     if options.get("prefix", DEFAULT_PREFIX) == DEFAULT_PREFIX:
         options["prefix"] = NODES_PREFIX

@@ -27,7 +27,7 @@ from . import devices, servers, spawners
 from .env import allowed_cpus
 from .output import read_pipe
 from .._wire import auth, linux, tunnel
-from .._wire.channel import FramedReader, send_framed
+from .._wire.channel import FramedReader
 
 log = logging.getLogger("mplaunch.agent")
 ADDR_ENV = "MPLAUNCH_WORLD_ADDR"
@@ -148,19 +148,11 @@ class Agent:
 
     def _to_rank(self, token, body) -> None:
         r = self.ranks.get(token)
-        data, blobs = body
-        fds = tunnel.memfds(blobs)
-        try:
-            if r is not None and r.reader is not None:
-                r.reader.sock.setblocking(True)
-                try:
-                    send_framed(r.reader.sock, data, fds)
-                finally:
-                    r.reader.sock.setblocking(False)
-        except OSError:
-            pass    # the rank is gone: its exit says so
-        finally:
-            linux.close_quiet(*fds)
+        if r is not None and r.reader is not None:
+            try:
+                tunnel.deliver(r.reader.sock, *body)
+            except OSError:
+                pass    # the rank is gone: its exit says so
 
     def _to_stack(self, token, body) -> None:
         r = self.ranks.get(token)
@@ -174,19 +166,13 @@ class Agent:
         return [self.ranks[t].pid for t in tokens
                 if t in self.ranks and self.ranks[t].pid is not None]
 
-    def _signal_groups(self, _token, body) -> None:
+    def _signal(self, how: str, body) -> None:
+        """`how`: the spawner's signal_groups or signal_ranks."""
         signo, tokens = body
         pids = self._pids(tokens)
         if pids and self.spawner is not None:
-            self.spawner.signal_groups(signo, pids)
+            getattr(self.spawner, how)(signo, pids)
         self._send(tunnel.SIGNALED)   # alive: the launching process times this
-
-    def _signal_ranks(self, _token, body) -> None:
-        signo, tokens = body
-        pids = self._pids(tokens)
-        if pids and self.spawner is not None:
-            self.spawner.signal_ranks(signo, pids)
-        self._send(tunnel.SIGNALED)
 
     def _sweep(self, _token, _body) -> None:
         if self.spawner is not None:
@@ -313,7 +299,8 @@ class Agent:
 _FRONT = {
     tunnel.CONFIG: Agent._config, tunnel.OPEN: Agent._open, tunnel.START: Agent._start,
     tunnel.TO_RANK: Agent._to_rank, tunnel.TO_STACK: Agent._to_stack,
-    tunnel.SIGNAL_GROUPS: Agent._signal_groups, tunnel.SIGNAL_RANKS: Agent._signal_ranks,
+    tunnel.SIGNAL_GROUPS: lambda a, _t, body: a._signal("signal_groups", body),
+    tunnel.SIGNAL_RANKS: lambda a, _t, body: a._signal("signal_ranks", body),
     tunnel.SWEEP: Agent._sweep, tunnel.CLOSE_GROUP: Agent._close_group,
     tunnel.BYE: Agent._bye,
 }

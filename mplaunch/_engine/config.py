@@ -132,6 +132,12 @@ def rank_specs(cfg: LaunchConfig, attempt: int, port: int,
 
 # -- validation ------------------------------------------------------------------------
 
+def node_user_envs(env, node_rank: int, nprocs: int) -> Tuple[Dict[str, str], ...]:
+    """The user's extra variables (env=) for each of node `node_rank`'s ranks, by local
+    rank, checked."""
+    return tuple(user_env_for(env, node_rank * nprocs + lr) for lr in range(nprocs))
+
+
 def placement_args(gpus, cpus):
     """``gpus=`` and ``cpus=`` checked, in the form devices.place takes (for a node
     that places its own ranks)."""
@@ -160,7 +166,7 @@ def validate(func: Callable[..., Any], args: Any, nprocs: Any,
         raise TypeError(f"env must be a dict of str to str, or a callable rank -> dict, "
                         f"got {type(env).__name__}")
     # Every rank's extra environment is computed (and checked) before anything starts.
-    user_envs = tuple(user_env_for(env, node_rank * nprocs + lr) for lr in range(nprocs))
+    user_envs = node_user_envs(env, node_rank, nprocs)
     if gpus is not None and any("CUDA_VISIBLE_DEVICES" in e for e in user_envs):
         raise ValueError("gpus= and env= both set CUDA_VISIBLE_DEVICES; give the ranks "
                          "their GPUs with one of them")

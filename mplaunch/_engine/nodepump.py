@@ -15,7 +15,7 @@ from typing import Dict, List, Sequence
 
 from . import servers
 from .._wire import linux, tunnel
-from .._wire.channel import FramedReader, send_framed
+from .._wire.channel import FramedReader
 
 log = logging.getLogger("mplaunch")
 __mplaunch_plumbing__ = True
@@ -177,21 +177,13 @@ class Pump:
             self._output(token, "out" if kind == tunnel.OUT else "err", body)
         elif kind == tunnel.FROM_RANK:
             proxy = self.proxies.get(token)
-            data, blobs = body
-            fds = tunnel.memfds(blobs)
-            try:
-                if proxy is not None and proxy.res is not None:
-                    # The reader's dup made the socket non-blocking; a result larger
-                    # than the socket's buffer is written whole (the group reads it).
-                    proxy.res.setblocking(True)
-                    try:
-                        send_framed(proxy.res, data, fds)
-                    finally:
-                        proxy.res.setblocking(False)
-            except OSError:
-                pass
-            finally:
-                linux.close_quiet(*fds)
+            if proxy is not None and proxy.res is not None:
+                # Non-blocking through the reader's dup; a result larger than the
+                # socket's buffer is written whole (the group reads it).
+                try:
+                    tunnel.deliver(proxy.res, *body)
+                except OSError:
+                    pass
         elif kind == tunnel.FROM_STACK:
             proxy = self.proxies.get(token)
             if proxy is not None and proxy.stack is not None:

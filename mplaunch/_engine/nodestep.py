@@ -8,9 +8,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from typing import Dict, List, Optional, Sequence
 
-from . import servers
+from . import servers, store
 
 log = logging.getLogger("mplaunch")
 
@@ -123,20 +124,20 @@ def end_step(step: subprocess.Popen, grace: float, step_id: Optional[str] = None
 
 
 def listen(address: str) -> socket.socket:
-    infos = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)
-    last: Optional[OSError] = None
-    for family, kind, proto, _name, sockaddr in infos:
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.bind(sockaddr)
-            sock.listen(64)
-            servers.own_socket(sock)
-            return sock
-        except OSError as exc:
-            sock.close()
-            last = exc
-    raise NodesError(f"cannot listen on {address!r} for the World's node agents: {last}; "
-                     "give master_addr= an address of this machine that the nodes reach")
+    """The port the World's agents connect to, bound as the store's is (store.bind)."""
+    try:
+        sock = store.bind(address, 0)
+    except OSError as exc:
+        raise NodesError(f"cannot listen on {address!r} for the World's node agents: "
+                         f"{exc}; give master_addr= an address of this machine that the "
+                         "nodes reach") from None
+    servers.own_socket(sock)
+    return sock
+
+
+def agent_argv() -> List[str]:
+    """What each task of the step runs: this interpreter, as an agent."""
+    return [sys.executable, "-m", AGENT_MODULE]
 
 
 def join_addr(host: str, port: int) -> str:

@@ -18,7 +18,6 @@ import queue
 import shlex
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -26,9 +25,8 @@ from typing import Callable, Dict, List, Optional
 
 from .config import LaunchConfig
 from .nodepump import Pump
-from .nodestep import (AGENT_MODULE, NodesError, end_step, join_addr, listen,
+from .nodestep import (NodesError, agent_argv, end_step, join_addr, listen,
                        srun_argv, start_srun_step)
-from .nodestep import check_allocation, slurm_nodes_available  # noqa: F401 (re-exported)
 from .._wire import auth, tunnel
 
 log = logging.getLogger("mplaunch")
@@ -126,8 +124,7 @@ class Hub:
             env["MPLAUNCH_WORLD_ADDR"] = join_addr(self.address, port)
             env.pop("MPLAUNCH_NODE_INDEX", None)
             self._step_log = tempfile.TemporaryFile(prefix="mplaunch-agents-")
-            self.step = self.starter([sys.executable, "-m", AGENT_MODULE], env,
-                                     self.nnodes, self._step_log)
+            self.step = self.starter(agent_argv(), env, self.nnodes, self._step_log)
             self._accept(listener, secret)
         except BaseException:
             listener.close()
@@ -213,11 +210,11 @@ class Hub:
             text = out.read()[-3000:].decode(errors="replace").strip()
         except (OSError, ValueError):
             text = ""
-        cmd = shlex.join(srun_argv(self.nnodes, [sys.executable, "-m", AGENT_MODULE]))
+        cmd = shlex.join(srun_argv(self.nnodes, agent_argv()))
         return (f"the step ({cmd}) printed:\n{text}" if text
                 else f"the step ({cmd}) printed nothing")
 
-    # -- the pump: node connections <-> the ranks' fds ---------------------------------
+    # -- the end -----------------------------------------------------------------------
     def close(self, grace: float = 10.0) -> None:
         """End every agent (and so every rank) and the step; idempotent. With a node
         lost, the step is not waited for long: SLURM ends it (nodestep.end_step)."""

@@ -27,8 +27,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 from . import servers, signals
 from .attempt import Attempt
 from . import nodespawner, remote
-from .config import LaunchConfig, rank_specs, with_streams
-from .env import user_env_for
+from .config import LaunchConfig, node_user_envs, rank_specs, with_streams
 from .heal import CallDriver, consequences_last, what_was_kept
 from .outcome import error_for, results_or_raise
 from .session import Session
@@ -166,13 +165,10 @@ class Serving:
         placement (what its agent reported)."""
         hosted = session.hosted
         specs = []
-        n = self.cfg.nprocs
         for info in self.hub.nodes:
-            first = info.index * n
             cfg = dataclasses.replace(
                 self.cfg, node_rank=info.index, gpus=info.gpus, cpus=info.placed_cpus,
-                user_envs=tuple(user_env_for(self.nodes.env, first + lr)
-                                for lr in range(n)))
+                user_envs=node_user_envs(self.nodes.env, info.index, self.cfg.nprocs))
             specs += rank_specs(cfg, self._generation, hosted.port, hosted.address,
                                 serve=True, base=_node_base(info.environ), host=info.name)
         return specs

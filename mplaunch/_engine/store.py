@@ -15,7 +15,10 @@ from datetime import timedelta
 from .._wire.linux import close_quiet
 
 
-def _bind(addr: str, port: int) -> socket.socket:
+def bind(addr: str, port: int) -> socket.socket:
+    """A listening TCP socket on `addr`:`port` (0: any free port), the first of the
+    addresses `addr` resolves to that binds. Also the World's agent port
+    (_engine.nodestep)."""
     infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
     last = None
     for family, kind, proto, _name, sockaddr in infos:
@@ -70,7 +73,7 @@ def hosted(cfg, connect_timeout: float = 300.0):
             hosted_.store = None  # a traceback may keep this frame (and so the store) alive
         return
     try:
-        sock = _bind(cfg.master_addr, cfg.master_port or 0)
+        sock = bind(cfg.master_addr, cfg.master_port or 0)
     except OSError as exc:
         if cfg.master_port and exc.errno == errno.EADDRINUSE:
             raise OSError(

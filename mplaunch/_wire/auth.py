@@ -17,6 +17,8 @@ import os
 import secrets
 import socket
 
+from .tunnel import recv_exactly
+
 SECRET_ENV = "MPLAUNCH_WORLD_SECRET"
 _NONCE = 32
 _MAC = hashlib.sha256().digest_size
@@ -36,14 +38,11 @@ def _mac(secret: str, role: bytes, mine: bytes, theirs: bytes) -> bytes:
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise AuthError(f"the peer closed the connection after {len(buf)} of the "
-                            f"{n} bytes of its proof")
-        buf += chunk
-    return bytes(buf)
+    data = recv_exactly(sock, n)
+    if data is None:
+        raise AuthError(f"the peer closed the connection before the {n} bytes of its "
+                        f"proof")
+    return data
 
 
 def prove(sock: socket.socket, secret: str, server: bool, timeout: float = 10.0) -> None:

@@ -16,6 +16,7 @@ import struct
 from typing import List, Optional, Tuple
 
 from . import linux
+from .channel import send_framed
 
 __mplaunch_plumbing__ = True
 
@@ -55,7 +56,8 @@ def send(sock: socket.socket, kind: int, token: int = 0, body=b"") -> None:
         sock.sendall(body)
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> Optional[bytes]:
+def recv_exactly(sock: socket.socket, n: int) -> Optional[bytes]:
+    """`n` bytes from a stream socket, blocking; None if it ends first."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -69,11 +71,11 @@ def _recv_exactly(sock: socket.socket, n: int) -> Optional[bytes]:
 
 def recv(sock: socket.socket) -> Optional[Tuple[int, int, object]]:
     """(kind, token, body) of the next frame, blocking; None at EOF."""
-    head = _recv_exactly(sock, _HEADER.size)
+    head = recv_exactly(sock, _HEADER.size)
     if head is None:
         return None
     kind, token, size = _HEADER.unpack(head)
-    body = _recv_exactly(sock, size) if size else b""
+    body = recv_exactly(sock, size) if size else b""
     if body is None:
         return None
     if kind not in RAW:
@@ -91,3 +93,18 @@ def fd_contents(fds: List[int]) -> List[bytes]:
 
 def memfds(blobs: List[bytes]) -> List[int]:
     return [linux.memfd_with(b, "mplaunch-remote") for b in blobs]
+
+
+def deliver(sock: socket.socket, data: bytes, blobs: List[bytes]) -> None:
+    """A channel message that came as a frame, written whole to a rank's channel socket
+    (which its reader keeps non-blocking), its fds made again from their contents and
+    closed once sent. Raises OSError when the channel is gone."""
+    fds = memfds(blobs)
+    try:
+        sock.setblocking(True)
+        try:
+            send_framed(sock, data, fds)
+        finally:
+            sock.setblocking(False)
+    finally:
+        linux.close_quiet(*fds)
