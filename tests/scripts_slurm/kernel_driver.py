@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,7 +20,8 @@ from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_notebook
 from traitlets.config import Config
 
-JOB = os.environ["SLURM_JOB_ID"]
+from allocation import say, steps
+
 
 CELLS = {
     "start": "%load_ext mplaunch\n%ranks start 4 --nodes 2 --master-addr 127.0.0.1",
@@ -73,16 +73,6 @@ print("still", dist.get_rank(), os.getpid(), type(model).__name__)
 STEPS_AFTER = ("start", "check", "after", "stop")
 FAILING = ("fails", "interrupt")
 INTERRUPT_TIMEOUT = 60.0
-
-
-def say(check, **facts):
-    print(json.dumps(dict(facts, check=check), sort_keys=True), flush=True)
-
-
-def steps():
-    out = subprocess.run(["squeue", "-s", "-j", JOB, "-h", "-o", "%i %j"],
-                         capture_output=True, text=True, timeout=30).stdout
-    return [line.split(None, 1) for line in out.splitlines() if line.strip()]
 
 
 def plain(lines):

@@ -4,7 +4,6 @@ The next run raises a WorkerError naming node 1; the World's step ends with ever
 process of it on both nodes; the run after that starts a new World in a new step. Then
 that step is cancelled from outside (scancel JOB.STEP): the same again.
 Prints one JSON line per check, as world_nodes.py does."""
-import json
 import os
 import signal
 import subprocess
@@ -13,33 +12,7 @@ import time
 
 import mplaunch
 
-JOB = os.environ["SLURM_JOB_ID"]
-
-
-def say(check, **facts):
-    print(json.dumps(dict(facts, check=check), sort_keys=True), flush=True)
-
-
-def steps():
-    out = subprocess.run(["squeue", "-s", "-j", JOB, "-h", "-o", "%i %j"],
-                         capture_output=True, text=True, timeout=30).stdout
-    return [line.split(None, 1) for line in out.splitlines() if line.strip()]
-
-
-def alive(pid):
-    """Whether pid is a live process (not a zombie); these are not our children."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def wait_for(pred, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not pred() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return pred()
+from allocation import alive, say, steps, wait_for
 
 
 def whoami():

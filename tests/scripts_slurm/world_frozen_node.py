@@ -7,29 +7,15 @@ ends even when it does not; the JSON line says whether the rescue was needed."""
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 
 import mplaunch
 
-JOB = os.environ["SLURM_JOB_ID"]
+from allocation import alive, steps
+
 RESCUE = {"run": 15.0, "close": 40.0}
-
-
-def steps():
-    out = subprocess.run(["squeue", "-s", "-j", JOB, "-h", "-o", "%i %j"],
-                         capture_output=True, text=True, timeout=30).stdout
-    return [line.split(None, 1) for line in out.splitlines() if line.strip()]
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def main(mode):

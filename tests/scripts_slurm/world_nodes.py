@@ -2,30 +2,17 @@
 one World of 4 ranks over the allocation's 2 nodes, through its runs and heals. Prints
 one JSON line per check ({"check": name, ...}) for the test to parse; the pids it saw
 (ranks and agents, all of them) are printed last, for the test to prove them gone."""
-import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 
 import mplaunch
 
-JOB = os.environ["SLURM_JOB_ID"]
+from allocation import JOB, say, steps
+
 seen_pids = set()
-
-
-def say(check, **facts):
-    print(json.dumps(dict(facts, check=check), sort_keys=True), flush=True)
-
-
-def steps():
-    """The job's steps as (id, name), from squeue (the World's step is the only one
-    this script starts; salloc itself starts none)."""
-    out = subprocess.run(["squeue", "-s", "-j", JOB, "-h", "-o", "%i %j"],
-                         capture_output=True, text=True, timeout=30).stdout
-    return [line.split(None, 1) for line in out.splitlines() if line.strip()]
 
 
 def remember(w):

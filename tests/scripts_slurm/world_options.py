@@ -3,7 +3,6 @@ a World of 4 ranks over 2 nodes made with options that are per rank: env= a call
 of the (global) rank, and cpus="per-rank" (each node places its own ranks on the CPUs
 it has), and log_dir= (every rank's output in a file of its own). Also World.stacks()
 from another thread while a run is in progress. Prints one JSON line per option."""
-import json
 import os
 import shutil
 import tempfile
@@ -12,9 +11,7 @@ import time
 
 import mplaunch
 
-
-def say(check, **facts):
-    print(json.dumps(dict(facts, check=check), sort_keys=True), flush=True)
+from allocation import say
 
 
 def my_env():

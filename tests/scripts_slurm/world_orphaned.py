@@ -11,21 +11,7 @@ import subprocess
 import sys
 import time
 
-JOB = os.environ.get("SLURM_JOB_ID")
-
-
-def steps():
-    out = subprocess.run(["squeue", "-s", "-j", JOB, "-h", "-o", "%i %j"],
-                         capture_output=True, text=True, timeout=30).stdout
-    return [line.split(None, 1) for line in out.splitlines() if line.strip()]
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+from allocation import alive, steps
 
 
 def child(how):

@@ -4,26 +4,14 @@ their step are kept for the next ranks): World.restart(), and the first run afte
 failed one with heal=False; and the run after node 1's warm server (the ranks' parent
 there) was killed. Each must start fresh ranks. Prints one
 JSON line per case (a run that raised says so rather than ending the script)."""
-import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import mplaunch
 
-JOB = os.environ["SLURM_JOB_ID"]
-
-
-def say(check, **facts):
-    print(json.dumps(dict(facts, check=check), sort_keys=True), flush=True)
-
-
-def steps():
-    out = subprocess.run(["squeue", "-s", "-j", JOB, "-h", "-o", "%i %j"],
-                         capture_output=True, text=True, timeout=30).stdout
-    return [line.split(None, 1) for line in out.splitlines() if line.strip()]
+from allocation import say, steps
 
 
 def where():
