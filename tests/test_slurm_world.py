@@ -447,8 +447,6 @@ def world_restart(cluster):
     return _run_script(cluster, "world_restart.py")
 
 
-
-
 def _no_leftovers(world_restart):
     _, out, jobs, procs = world_restart
     assert jobs == [] and procs == [], (jobs, procs, out)
@@ -489,7 +487,6 @@ def test_after_a_nodes_server_was_killed_the_next_run_starts_fresh_ranks(world_r
 
 
 # -- a frozen node --------------------------------------------------------------------
-
 
 
 def test_a_run_with_a_frozen_node_ends_at_its_timeout(cluster):
