@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from . import signals
 from .attempt import Attempt
@@ -15,6 +15,7 @@ from .nodes import NodeWatch
 from .outcome import results_or_raise
 from .session import Session
 from .timeouts import collect_stacks
+from .._wire.buffers import Payload
 from .._wire.stacks import RankStacks
 from ..errors import WorkerError
 
@@ -29,7 +30,8 @@ class Run:
     """One launch from its first rank to its outcome: the payload, the store, and the
     attempts. Signals to this process are forwarded to the current attempt."""
 
-    def __init__(self, cfg: LaunchConfig, payload: bytes, forward_signals: bool = True):
+    def __init__(self, cfg: LaunchConfig, payload: Union[bytes, Payload],
+                 forward_signals: bool = True):
         self.cfg = cfg
         self.payload = payload
         self.forward_signals = forward_signals  # else the caller forwards (Handle.wait)

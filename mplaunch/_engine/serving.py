@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Union
 
 from . import servers, signals
 from .attempt import Attempt
@@ -32,7 +32,8 @@ from .heal import CallDriver, consequences_last, what_was_kept
 from .outcome import error_for, results_or_raise
 from .session import Session
 from .timeouts import collect_stacks
-from .._wire import linux
+from .._wire import buffers
+from .._wire.buffers import Payload
 from .._wire.messages import RELEASE_SIGNAL
 from .._wire.payload import dumps_payload
 from .._wire.stacks import RankStacks
@@ -185,7 +186,7 @@ class Serving:
             hub.close()
 
     # -- a call ----------------------------------------------------------------------
-    def call(self, payload: bytes, timeout: Optional[float]) -> list:
+    def call(self, payload: Union[bytes, Payload], timeout: Optional[float]) -> list:
         """Every rank's result of `payload`, or raise what launch() would (healed first
         where it can be, ``err.healed`` saying what was kept)."""
         self.start()
@@ -216,7 +217,7 @@ class Serving:
             error.healed = kept
         raise error
 
-    def _send(self, payload: bytes) -> Attempt:
+    def _send(self, payload: Union[bytes, Payload]) -> Attempt:
         attempt = self.attempt
         assert attempt is not None
         attempt.group.relay_to(sys.stdout, sys.stderr)
@@ -324,9 +325,9 @@ def _node_base(environ: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _payload_fd(payload: bytes) -> Iterator[int]:
+def _payload_fd(payload: Union[bytes, Payload]) -> Iterator[int]:
     """A memfd holding `payload` for the ranks; closed once they have their copies."""
-    fd = linux.memfd_with(payload, "mplaunch-payload")
+    fd = buffers.memfd_of(payload)
     try:
         yield fd
     finally:

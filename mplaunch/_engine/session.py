@@ -7,11 +7,12 @@ the reverse order, whatever failed.
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from . import servers, signals, store
 from .config import LaunchConfig, rank_specs
-from .._wire import linux
+from .._wire import buffers
+from .._wire.buffers import Payload
 from .._wire.spec import RankSpec
 
 
@@ -19,7 +20,8 @@ class Session:
     """Use as a context manager; ``payload_fd``, ``waker`` and ``hosted`` (the store,
     its port and address) are there inside it."""
 
-    def __init__(self, cfg: LaunchConfig, payload: bytes, local_server: bool = True):
+    def __init__(self, cfg: LaunchConfig, payload: Union[bytes, Payload],
+                 local_server: bool = True):
         self.cfg = cfg
         # A World across nodes starts no server here: each node's agent has its own.
         self.local_server = local_server
@@ -33,7 +35,7 @@ class Session:
         stack = self._stack
         try:
             # Not one of this process's own fds: a fork-mode rank starts from it.
-            self.payload_fd = linux.memfd_with(self._payload, "mplaunch-payload")
+            self.payload_fd = buffers.memfd_of(self._payload)
             stack.callback(servers.close_fd, self.payload_fd)
             self.waker = waker = signals.Waker()
             stack.callback(waker.close)

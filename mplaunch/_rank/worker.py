@@ -18,7 +18,7 @@ import time
 from . import collectives, heal, procgroup, rendezvous, serve as serving, streams
 # Imported here, not when first used: the server imports this module before it forks
 # any rank (a forked rank finds them loaded), and every rank needs them.
-from .._wire import linux, mainmod, payload as wire_payload
+from .._wire import buffers, linux, mainmod, payload as wire_payload
 from .._wire.channel import send_framed
 from .._wire.exceptions import pack_exception
 from .._wire.messages import (EXIT_CHANNEL_CLOSED, EXIT_ERROR, EXIT_PARENT_GONE,
@@ -183,8 +183,8 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
     """Run what the payload in `payload_fd` holds (or the spec's script), send one
     message: the result or the exception. Returns the exit code that outcome calls for.
     The payload stays open: the rank's spawn and forkserver children read the
-    definitions of its __main__ from it."""
-    payload = linux.read_all_fd(payload_fd)
+    definitions of its __main__ from it. Its large buffers are mapped, not read."""
+    payload, inputs = buffers.read_payload(payload_fd)
     exitcode = 0
     try:
         if first:
@@ -194,9 +194,9 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
         if spec.script is not None:
             value = _run_script(spec.script.target, spec.script.kind)
         else:
-            func, args, kwargs = wire_payload.loads_payload(payload,
-                                                           mainmod.publish(payload_fd))
-            del payload
+            func, args, kwargs = wire_payload.loads_payload(
+                payload, mainmod.publish(payload_fd), inputs)
+            del payload, inputs
             value = func(*args, **kwargs)
     except SystemExit as exc:
         exitcode = _exit_code(exc.code)

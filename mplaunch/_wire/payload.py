@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+from collections import ChainMap
 import io
 import mmap
 import os
@@ -14,7 +15,7 @@ import types
 
 import cloudpickle
 
-from . import mainmod
+from . import mainmod, reducers
 from .pickler import Pickler, dumps as _dumps
 
 __all__ = ["dumps_payload", "loads_payload", "dumps_result", "loads_result"]
@@ -28,19 +29,22 @@ def _pickling_problem(obj) -> str | None:
     return None
 
 
-def dumps_payload(func, args, kwargs) -> bytes:
+def dumps_payload(func, args, kwargs):
     """Pickle what every rank runs, once. On failure, name the piece that would not
-    pickle, so the user knows what to change.
+    pickle, so the user knows what to change. Bytes, or where the arguments hold large
+    buffers (tensors, arrays), a _wire.buffers.Payload: those go out of band, into the
+    file every rank maps (InputsTooLarge, a MemoryError, if they cannot fit).
 
     Two pickles, then the offset of the second: the function, its arguments and the
     sources of unsaved code, which name the classes and functions of `__main__` they
     reach; then those, by value (the rank makes them its `__main__` before it loads
     the first pickle, and the rank's own children load them too: see _wire.mainmod).
     This order writes each byte once: no copy of a large payload to put one first."""
+    sink = reducers.sink()
     try:
         main = sys.modules.get("__main__")
         out = io.BytesIO()
-        pickler = _PayloadPickler(out, main, by_name=True)
+        pickler = _InputsPickler(out, main, by_name=True, buffer_callback=sink)
         pickler.dump((func, tuple(args), dict(kwargs), _unsaved_sources(func)))
         head_at = out.tell()
         if pickler.found:
@@ -53,7 +57,9 @@ def dumps_payload(func, args, kwargs) -> bytes:
         else:
             pickle.dump(None, out, protocol=pickle.HIGHEST_PROTOCOL)
         out.write(head_at.to_bytes(8, "little"))
-        return out.getvalue()
+        pickled = out.getvalue()
+    except reducers.CannotSend:
+        raise
     except Exception as exc:  # noqa: BLE001
         culprit = None
         problem = _pickling_problem(func)
@@ -78,6 +84,7 @@ def dumps_payload(func, args, kwargs) -> bytes:
             "of the function and arguments: pass things that can be pickled (create "
             "locks, open files, sockets and CUDA state inside the function instead)."
         ) from exc
+    return sink.payload(pickled)
 
 
 def dumps_main_part(main, found: dict) -> bytes:
@@ -89,11 +96,13 @@ def dumps_main_part(main, found: dict) -> bytes:
     return out.getvalue()
 
 
-def loads_payload(data: bytes, main_path: str):
+def loads_payload(data: bytes, main_path: str, buffers=()):
     """In a rank: make `__main__` from the payload's second pickle (its children will
-    read that again from `main_path`), then return (func, args, kwargs)."""
+    read that again from `main_path`), then return (func, args, kwargs). `buffers`: the
+    out-of-band ones (_wire.buffers.read_payload)."""
     mainmod.become_main(memoryview(data)[mainmod.main_offset(data):-8], main_path)
-    func, args, kwargs, sources = pickle.loads(data)  # stops at the first pickle's end
+    # stops at the first pickle's end
+    func, args, kwargs, sources = pickle.loads(data, buffers=buffers)
     import linecache
     for filename, lines in sources.items():
         linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
@@ -112,8 +121,9 @@ class _PayloadPickler(Pickler):
       of the process that unpickles them (see mainmod.MainGlobals).
     """
 
-    def __init__(self, file, main, by_name: bool):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+    def __init__(self, file, main, by_name: bool, buffer_callback=None):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL,
+                         buffer_callback=buffer_callback)
         self._main = main
         self._by_name = by_name and main is not None
         self.found: dict = {}
@@ -144,6 +154,13 @@ class _PayloadPickler(Pickler):
 
 
 _cloudpickle_reduce = Pickler.reducer_override
+
+
+class _InputsPickler(_PayloadPickler):
+    """The payload's first pickle (the function and its arguments): tensors and arrays
+    with gaps by their bytes, out of band (_wire.reducers, _wire.buffers)."""
+
+    dispatch_table = ChainMap(reducers.REDUCERS, _PayloadPickler.dispatch_table)
 
 
 @contextlib.contextmanager
