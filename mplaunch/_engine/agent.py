@@ -66,6 +66,7 @@ class Agent:
         self.cfg = None
         self.spawner = None
         self.ranks: Dict[int, _Rank] = {}
+        self.payloads: Dict[tuple, int] = {}   # key -> memfd (tunnel.PAYLOAD)
         self.by_pid: Dict[int, int] = {}
         self.done = False
 
@@ -118,10 +119,20 @@ class Agent:
         self.spawner = spawners.for_config(self.cfg, self)
         self.spawner.open(self.sel)
 
+    def _payload(self, _token, body) -> None:
+        """A payload for this node's ranks, kept until the next one, a DROP or the
+        group's end (_engine.nodepayloads)."""
+        key, fd = body
+        linux.close_quiet(self.payloads.pop(key, -1))
+        self.payloads[key] = fd
+
+    def _drop(self, _token, key) -> None:
+        linux.close_quiet(self.payloads.pop(tuple(key), -1))
+
     def _start(self, token, body) -> None:
-        spec, blobs = body
+        spec, key = body
         r = _Rank(token)
-        payload = linux.memfd_with(blobs[0], "mplaunch-payload")
+        payload = os.dup(self.payloads[tuple(key)])
         res_ours, res_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -149,8 +160,10 @@ class Agent:
     def _to_rank(self, token, body) -> None:
         r = self.ranks.get(token)
         if r is not None and r.reader is not None:
+            data, keys = body
             try:
-                tunnel.deliver(r.reader.sock, *body)
+                tunnel.deliver_fds(r.reader.sock, data,
+                                   [self.payloads[tuple(k)] for k in keys])
             except OSError:
                 pass    # the rank is gone: its exit says so
 
@@ -203,6 +216,8 @@ class Agent:
             self._forget(r)
         self.ranks.clear()
         self.by_pid.clear()
+        payloads, self.payloads = self.payloads, {}
+        linux.close_quiet(*payloads.values())
 
     def _forget(self, r: _Rank) -> None:
         for obj in (r.reader.sock if r.reader is not None else None, r.out, r.err, r.stack):
@@ -302,7 +317,7 @@ _FRONT = {
     tunnel.SIGNAL_GROUPS: lambda a, _t, body: a._signal("signal_groups", body),
     tunnel.SIGNAL_RANKS: lambda a, _t, body: a._signal("signal_ranks", body),
     tunnel.SWEEP: Agent._sweep, tunnel.CLOSE_GROUP: Agent._close_group,
-    tunnel.BYE: Agent._bye,
+    tunnel.BYE: Agent._bye, tunnel.PAYLOAD: Agent._payload, tunnel.DROP: Agent._drop,
 }
 
 

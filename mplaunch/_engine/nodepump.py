@@ -14,6 +14,7 @@ import time
 from typing import Dict, List, Sequence
 
 from . import servers
+from .nodepayloads import NodePayloads
 from .._wire import linux, tunnel
 from .._wire.channel import FramedReader
 
@@ -67,6 +68,7 @@ class Pump:
         self._wake_r, self._wake_w = os.pipe()
         self._stopping = False
         self.proxies: Dict[int, _Proxy] = {}
+        self.payloads = NodePayloads()   # which payload each node holds
         self._plock = threading.Lock()
         self._changes: List = []
         self._thread = threading.Thread(target=self._pump, name="mplaunch-nodes",
@@ -139,7 +141,12 @@ class Pump:
         if reader is None:
             return
         for data, fds in reader.read_available():
-            proxy.link.send(tunnel.TO_RANK, proxy.token, (data, tunnel.fd_contents(fds)))
+            # a call: its payload goes to the node once, for all its ranks
+            try:
+                self.payloads.send(proxy.link, tunnel.TO_RANK, proxy.token, fds,
+                                   lambda keys, data=data: (data, keys))
+            finally:
+                linux.close_quiet(*fds)
         if reader.eof:
             self._sel.unregister(reader.sock)
 

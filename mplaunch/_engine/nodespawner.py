@@ -22,7 +22,7 @@ from . import servers
 from .config import LaunchConfig
 from .nodepump import _Proxy
 from .remote import Hub, Link
-from .._wire import linux, tunnel
+from .._wire import tunnel
 from .._wire.spec import RankSpec
 
 __mplaunch_plumbing__ = True
@@ -81,8 +81,8 @@ class RemoteSpawner:
         self._tokens[token] = proxy
         self._exited.discard(token)     # a replaced rank's token is its new process's
         self.hub.pump.add_proxy(proxy)
-        payload = linux.read_all_fd(fds[0])
-        if not link.send(tunnel.START, token, (spec, [payload])):
+        if not self.hub.pump.payloads.send(link, tunnel.START, token, [fds[0]],
+                                           lambda keys: (spec, keys[0])):
             self.post((tunnel.START_FAILED, token,
                        f"{link.describe()} is lost: {link.lost}", link))
 
@@ -213,6 +213,7 @@ class RemoteSpawner:
 
     def close(self) -> None:
         self._round(tunnel.CLOSE_GROUP, tunnel.CLOSED, 15.0)
+        self.hub.pump.payloads.clear()    # the agents dropped theirs with the group
         for token in list(self._tokens):
             self.hub.pump.drop_proxy(token)
         self._tokens = {}

@@ -4,12 +4,17 @@ TCP connection per node, after both sides proved they hold the World's secret
 
 Kinds that carry a rank's bytes (its output, its stack socket) carry them raw; the
 others carry a pickle, which only an authenticated peer ever gets to send. A channel
-message to or from a rank travels with the contents of the fds attached to it (memfds:
-a call's payload, a large result's buffers), which the other side turns back into
-memfds: fds do not cross machines, their contents do.
+message from a rank travels with the contents of the fds attached to it (memfds: a large
+result's buffers), which the other side turns back into memfds: fds do not cross
+machines, their contents do. A payload (a start's or a call's memfd, large inputs
+included) crosses once per node, not once per rank: a PAYLOAD frame streams the file,
+under a key, into a memfd the agent keeps, and the frames that start or call the node's
+ranks name it by that key (_engine.nodepayloads decides when to send and drop one).
 """
 from __future__ import annotations
 
+import fcntl
+import os
 import pickle
 import socket
 import struct
@@ -24,7 +29,7 @@ _HEADER = struct.Struct("!BIQ")
 
 # front -> agent
 CONFIG, OPEN, START, TO_RANK, TO_STACK, SIGNAL_GROUPS, SIGNAL_RANKS, SWEEP, CLOSE_GROUP, \
-    BYE = range(1, 11)
+    BYE, PAYLOAD, DROP = range(1, 13)
 # agent -> front
 HELLO, READY, STARTED, EXITED, START_FAILED, FROM_RANK, OUT, ERR, FROM_STACK, SWEPT, \
     CLOSED, SERVER_LOST, SIGNALED = range(32, 45)
@@ -75,12 +80,69 @@ def recv(sock: socket.socket) -> Optional[Tuple[int, int, object]]:
     if head is None:
         return None
     kind, token, size = _HEADER.unpack(head)
+    if kind == PAYLOAD:
+        payload = _recv_payload(sock, size)
+        return None if payload is None else (kind, token, payload)
     body = recv_exactly(sock, size) if size else b""
     if body is None:
         return None
     if kind not in RAW:
         body = pickle.loads(body)
     return kind, token, body
+
+
+_KEY = struct.Struct("!QQ")
+_SEALS = 0xF   # F_SEAL_SEAL, SHRINK, GROW, WRITE
+
+
+def payload_key(fd: int) -> Tuple[int, int]:
+    """What names a payload's file while someone holds it open: (device, inode)."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def send_payload(sock: socket.socket, key: Tuple[int, int], fd: int) -> None:
+    """A PAYLOAD frame: `key`, then the file in `fd` streamed from the kernel (sendfile:
+    no copy of a large payload in this process)."""
+    size = os.fstat(fd).st_size
+    sock.sendall(_HEADER.pack(PAYLOAD, 0, _KEY.size + size) + _KEY.pack(*key))
+    done = 0
+    while done < size:
+        sent = os.sendfile(sock.fileno(), fd, done, size - done)
+        if sent == 0:
+            raise ConnectionError("the payload's file ended before its size")
+        done += sent
+
+
+def _recv_payload(sock: socket.socket, size: int):
+    """(key, memfd) of a PAYLOAD frame's body, streamed into the memfd in chunks (a
+    large payload is never whole in this process's memory), sealed as the launching
+    process's was; None at EOF."""
+    head = recv_exactly(sock, _KEY.size)
+    if head is None:
+        return None
+    fd = os.memfd_create("mplaunch-payload", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        left = size - _KEY.size
+        chunk = bytearray(min(left, 4 << 20))
+        view = memoryview(chunk)
+        while left:
+            got = sock.recv_into(view[:min(left, len(chunk))])
+            if got == 0:
+                os.close(fd)
+                return None
+            data = view[:got]
+            while data:
+                data = data[os.write(fd, data):]
+            left -= got
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        except (OSError, AttributeError):
+            pass
+    except BaseException:
+        os.close(fd)
+        raise
+    return _KEY.unpack(head), fd
 
 
 def fd_contents(fds: List[int]) -> List[bytes]:
@@ -101,10 +163,15 @@ def deliver(sock: socket.socket, data: bytes, blobs: List[bytes]) -> None:
     closed once sent. Raises OSError when the channel is gone."""
     fds = memfds(blobs)
     try:
-        sock.setblocking(True)
-        try:
-            send_framed(sock, data, fds)
-        finally:
-            sock.setblocking(False)
+        deliver_fds(sock, data, fds)
     finally:
         linux.close_quiet(*fds)
+
+
+def deliver_fds(sock: socket.socket, data: bytes, fds: List[int]) -> None:
+    """As deliver, with fds this process has (and keeps)."""
+    sock.setblocking(True)
+    try:
+        send_framed(sock, data, fds)
+    finally:
+        sock.setblocking(False)
