@@ -82,6 +82,19 @@ def keep(data):
     return _touch(data)
 
 
+DATA = None
+
+
+def set_global(data):
+    global DATA
+    DATA = data
+
+
+def sum_global():
+    gc.collect()
+    return (0 if DATA is None else _touch(DATA)), _maps_of_payloads()
+
+
 def drop():
     mplaunch.rank_state().pop("data", None)
     gc.collect()
@@ -351,6 +364,43 @@ def test_a_world_keeps_inputs_while_a_rank_refers_to_them_and_frees_them_after()
         assert all(rollup(pid)["Pss_Shmem"] < 2 * MiB for pid in pids)
         world.run(keep, (t,))                         # kept until the World closes
     assert set(os.listdir("/dev/shm")) == shm
+
+
+def test_a_module_global_set_by_a_run_keeps_the_inputs_for_the_next_runs():
+    t = torch.rand(2 ** 22)
+    with mplaunch.World(2) as world:
+        world.run(set_global, (t,))
+        assert world.run(sum_global) == [(pytest.approx(float(t.sum())), 1)] * 2
+        world.run(set_global, (None,))
+        assert world.run(sum_global) == [(0, 0)] * 2
+
+
+def pushed(name):
+    from mplaunch._rank import cells
+    value = cells._main_namespace()[name]
+    return _touch(value), len(payload_mappings())
+
+
+def test_ranks_push_sends_notebook_variables_by_the_same_path():
+    # what `%ranks push data` runs: World.run(cells.push, ({name: value},))
+    from mplaunch._rank import cells
+    data = {"x": torch.rand(2 ** 22), "a": np.random.rand(2 ** 20)}
+    with mplaunch.World(2) as world:
+        world.run(cells.push, ({"data": data},))
+        assert world.run(pushed, ("data",)) == [(pytest.approx(_touch(data)), 1)] * 2
+
+
+def spawned(i, t, out):
+    with open(os.path.join(out, str(i)), "w") as f:
+        f.write(repr((float(t.sum()), [m["Anonymous"] for m in payload_mappings()])))
+
+
+def test_mplaunch_spawn_maps_its_args_too(tmp_path):
+    t = torch.rand(2 ** 22)
+    mplaunch.spawn(spawned, args=(t, str(tmp_path)), nprocs=2)
+    for i in range(2):
+        total, copied = eval((tmp_path / str(i)).read_text())
+        assert total == pytest.approx(float(t.sum())) and copied == [0]
 
 
 def test_world_run_sends_the_same_tensor_again_by_value():

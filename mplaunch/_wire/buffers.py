@@ -31,6 +31,7 @@ written exactly as before, and a rank tells the two apart by MAGIC.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -217,6 +218,12 @@ class Payload:
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
             except (OSError, AttributeError):
                 pass   # a kernel without seals: the ranks' mappings are private anyway
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):   # memory got short meanwhile
+                limit, source = lendable()
+                raise InputsTooLarge(self.nbytes, limit, source) from exc
+            raise
         except BaseException:
             os.close(fd)
             raise
