@@ -51,6 +51,7 @@ _PAGE = mmap.PAGESIZE
 MAGIC = b"mplbufs\x01"        # a pickle ends with b".": a payload without buffers never has it
 _TAIL = 24
 _CHUNK = 32 << 20             # one write of a large buffer; several go in parallel
+_SMALL = 1 << 20              # a payload file a rank reads whole
 _SEALS = (getattr(fcntl, "F_SEAL_WRITE", 8) | getattr(fcntl, "F_SEAL_SHRINK", 2)
           | getattr(fcntl, "F_SEAL_GROW", 4) | getattr(fcntl, "F_SEAL_SEAL", 1))
 
@@ -333,13 +334,19 @@ def read_payload(fd: int):
     then replaced, in place, by a memfd of the pickles alone: the rank's children read
     its `__main__` there, and the buffers are not held by it."""
     size = os.fstat(fd).st_size
-    if size < _TAIL + 2 or os.pread(fd, 8, size - 16) != MAGIC:
-        return linux.read_all_fd(fd), ()
-    tail = os.pread(fd, _TAIL, size - _TAIL)
+    # A small file is read whole, as before there were buffers (one call: the common
+    # path costs nothing more); of a large one, the tail first.
+    whole_file = _pread_all(fd, size, 0) if size <= _SMALL else None
+    tail = whole_file[-_TAIL:] if whole_file is not None else os.pread(fd, _TAIL, size - _TAIL)
+    if size < _TAIL + 2 or tail[8:16] != MAGIC:
+        return whole_file if whole_file is not None else _pread_all(fd, size, 0), ()
     table_at = int.from_bytes(tail[:8], "little")
-    head, region, region_end, slots = pickle.loads(
-        _pread_all(fd, size - _TAIL - table_at, table_at))
-    data = _pread_all(fd, head, 0) + tail[16:]
+    table = (whole_file[table_at:size - _TAIL] if whole_file is not None
+             else _pread_all(fd, size - _TAIL - table_at, table_at))
+    head, region, region_end, slots = pickle.loads(table)
+    data = (whole_file[:head] if whole_file is not None else _pread_all(fd, head, 0)) \
+        + tail[16:]
+    del whole_file
     mapping = mmap.mmap(fd, region_end - region, access=mmap.ACCESS_COPY, offset=region)
     whole = memoryview(mapping)
     buffers = [whole[at - region:at - region + n] for at, n in slots]
