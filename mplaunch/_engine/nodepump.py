@@ -284,5 +284,6 @@ class Pump:
             self._changes = []
         for proxy in proxies:
             proxy.close()
+        self.payloads.clear()
         linux.close_quiet(self._wake_r, self._wake_w)
         self._sel.close()

@@ -44,7 +44,7 @@ from . import linux
 from .memory import memory_cgroup
 
 __all__ = ["MIN_BYTES", "Sink", "Payload", "InputsTooLarge", "memfd_of", "read_payload",
-           "lendable", "plan", "Raw", "Copy"]
+           "lendable", "plan", "seal", "Raw", "Copy"]
 
 MIN_BYTES = 1 << 16           # below this, in the stream: cheaper than a page and a slot
 _PAGE = mmap.PAGESIZE
@@ -215,10 +215,7 @@ class Payload:
             _pwrite_all(fd, memoryview(self.pickled)[:-8], 0)
             _run([job for s, at in zip(sources, self._offsets) for job in s.jobs(fd, at)])
             _pwrite_all(fd, memoryview(self._tail), self.region_end)
-            try:
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-            except (OSError, AttributeError):
-                pass   # a kernel without seals: the ranks' mappings are private anyway
+            seal(fd)
         except OSError as exc:
             os.close(fd)
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):   # memory got short meanwhile
@@ -233,6 +230,15 @@ class Payload:
     def __repr__(self) -> str:
         return (f"<mplaunch payload: {len(self.pickled)} bytes of pickles, "
                 f"{self.buffers} buffers out of band, {size_text(self.nbytes)}>")
+
+
+def seal(fd: int) -> None:
+    """Nobody changes a written payload file any more (a kernel without seals: the
+    ranks' mappings are private anyway)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except (OSError, AttributeError):
+        pass
 
 
 def memfd_of(payload) -> int:
@@ -287,6 +293,9 @@ def _run(jobs: list) -> None:
         t.start()
     try:
         work()
+    except BaseException as exc:   # an interrupt: the other threads stop too
+        errors.append(exc)
+        raise
     finally:
         for t in threads:
             t.join()

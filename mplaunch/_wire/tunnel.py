@@ -13,14 +13,13 @@ ranks name it by that key (_engine.nodepayloads decides when to send and drop on
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import pickle
 import socket
 import struct
 from typing import List, Optional, Tuple
 
-from . import linux
+from . import buffers, linux
 from .channel import send_framed
 
 __mplaunch_plumbing__ = True
@@ -92,7 +91,6 @@ def recv(sock: socket.socket) -> Optional[Tuple[int, int, object]]:
 
 
 _KEY = struct.Struct("!QQ")
-_SEALS = 0xF   # F_SEAL_SEAL, SHRINK, GROW, WRITE
 
 
 def payload_key(fd: int) -> Tuple[int, int]:
@@ -135,10 +133,7 @@ def _recv_payload(sock: socket.socket, size: int):
             while data:
                 data = data[os.write(fd, data):]
             left -= got
-        try:
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-        except (OSError, AttributeError):
-            pass
+        buffers.seal(fd)
     except BaseException:
         os.close(fd)
         raise
