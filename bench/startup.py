@@ -164,12 +164,25 @@ def main(argv=None):
     baselines = [b for b in base.split(",") if b]
     trees = [("mplaunch", ROOT)] + ([("against", os.path.abspath(args.against))]
                                     if args.against else [])
+    report = measure(sizes, rounds, trees, baselines, world=not args.no_world)
+    print(f"\nstart-up, {report['machine']}, "
+          f"{'a network namespace per sample' if report['netns'] else 'this network namespace'}\n")
+    for row in report["rows"]:
+        print(line(row, trees, baselines))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def measure(sizes, rounds, trees=(("mplaunch", ROOT),), baselines=(), world=True):
+    """Every figure, both table states: {"machine", "netns", "rows": [...]}, each row
+    {"state", "case", "n", tree name: [seconds...], baseline: [seconds...]}."""
     prefix = _netns_prefix()
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} cpus, "
                          f"python {platform.python_version()}",
               "netns": bool(prefix), "rows": []}
-    cases = [("gloo", n) for n in sizes] + ([] if args.no_world else
-                                            [("world", n) for n in sizes if n >= 64])
+    cases = [("gloo", n) for n in sizes] + ([("world", n) for n in sizes if n >= 64]
+                                            if world else [])
     for state in ("empty", "busy"):
         for case, n in cases:
             row = {"state": state, "case": case, "n": n}
@@ -186,17 +199,11 @@ def main(argv=None):
                     got = _sample(ROOT, case, n, state, 1, b, prefix)
                     row[b] = got["samples"]
             report["rows"].append(row)
-            log(_line(row, trees, baselines))
-    print(f"\nstart-up, {report['machine']}, "
-          f"{'a network namespace per sample' if prefix else 'this network namespace'}\n")
-    for row in report["rows"]:
-        print(_line(row, trees, baselines))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+            log(line(row, trees, baselines))
+    return report
 
 
-def _line(row, trees, baselines):
+def line(row, trees=(("mplaunch", ROOT),), baselines=()):
     title = (f"launch {row['n']:3d} (init+all_reduce+destroy)" if row["case"] == "gloo"
              else f"World({row['n']}) first call")
     cells = []
