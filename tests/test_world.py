@@ -151,6 +151,25 @@ def test_failing_run_raises_tears_down_and_next_run_is_fresh(caplog):
         assert not set(world.pids.values()) & set(old.values())
 
 
+def test_a_worlds_errors_name_no_attempt_however_often_it_was_torn_down():
+    # launch's "[attempt N]" counts its restarts (max_restarts); a World tries no call
+    # again, so the fresh ranks after a teardown are no new attempt of anything.
+    with mplaunch.World(2, grace_period=1, heal=False) as world:
+        errors = []
+        for _ in range(2):
+            with pytest.raises(mplaunch.WorkerError) as info:
+                world.run(fail_in_rank_one)
+            errors.append(info.value)
+        world.restart()
+        with pytest.raises(mplaunch.LaunchTimeout) as info:
+            world.run(hang_in_rank_one, timeout=2)
+        errors.append(info.value)
+    for err in errors:
+        assert "[attempt" not in str(err), str(err)
+        assert {f.attempt for f in err.failures} == {0}
+        assert "earlier attempt" not in str(err) and err.previous_attempts == []
+
+
 def test_hang_with_timeout_raises_with_every_ranks_stack():
     with mplaunch.World(2, grace_period=1, heal=False) as world:
         world.run(count_calls)

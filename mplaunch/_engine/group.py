@@ -54,7 +54,8 @@ class RankGroup:
     def __init__(self, cfg: LaunchConfig, specs: Sequence[RankSpec], payload_fd: int,
                  attempt: int, waker: Waker, make_spawner=None):
         self.cfg = cfg
-        self.attempt = attempt
+        # log_dir's attempt_<n>; its failures' "[attempt N]": none in a World (no retries)
+        self.number, self.attempt = attempt, 0 if any(s.serve for s in specs) else attempt
         self.payload_fd = payload_fd
         self._specs = list(specs)
         self.ranks: List[RankState] = [RankState(s) for s in specs]
@@ -119,7 +120,7 @@ class RankGroup:
     def _start_one(self, r: RankState, payload_fd: Optional[int] = None) -> None:
         if self._by_rank_logs:
             r.log_name = str(r.spec.rank)
-        child_fds = r.open(self.cfg, self.attempt,
+        child_fds = r.open(self.cfg, self.number,
                            self.payload_fd if payload_fd is None else payload_fd)
         try:
             # Its token is its place in the group (local_rank is not one across nodes).
