@@ -118,6 +118,8 @@ def test_ranks_are_split_over_the_nodes_in_global_order(world_nodes):
     assert {r["SLURM_NTASKS"] for r in ranks} == {"4"}
     assert {r["SLURM_JOB_ID"] for r in ranks} == {start["job_id"]}
     assert {r["SLURM_STEP_ID"] for r in ranks} == {"0"}
+    # as srun gives each task: its own pid (not its node agent's)
+    assert [r["SLURM_TASK_PID"] for r in ranks] == [str(r["pid"]) for r in ranks], ranks
     assert {r["MASTER_ADDR"] for r in ranks} == {"127.0.0.1"}
     assert [r["pid"] for r in ranks] == [start["pids"][str(i)] for i in range(4)]
     assert [r["secret"] for r in ranks] == [[]] * 4, "the ranks see the World's secret"

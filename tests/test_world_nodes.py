@@ -98,7 +98,8 @@ def count_calls():
 
 ENV_NAMES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE",
              "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID",
-             "SLURM_NTASKS", "MPLAUNCH_WORLD_SECRET", "MPLAUNCH_WORLD_ADDR")
+             "SLURM_NTASKS", "SLURM_TASK_PID", "MPLAUNCH_WORLD_SECRET",
+             "MPLAUNCH_WORLD_ADDR")
 
 
 def whoami():
@@ -181,6 +182,7 @@ def test_ranks_in_global_order_with_their_node_env_and_one_group_and_close_ends_
     # rank must see its own, on every node, not the launching process's task 0.
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_TASK_PID", str(os.getpid()))
     w = world()
     try:
         results = w.run(whoami)
@@ -194,6 +196,7 @@ def test_ranks_in_global_order_with_their_node_env_and_one_group_and_close_ends_
                 "GROUP_RANK": str(node), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
                 "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local),
                 "SLURM_NODEID": str(node), "SLURM_NTASKS": "4",
+                "SLURM_TASK_PID": str(pid),   # its own, not its agent's
                 # the agent's secret and address stay with the agent
                 "MPLAUNCH_WORLD_SECRET": None, "MPLAUNCH_WORLD_ADDR": None}, (rank, env)
             assert (grank, gsize) == (rank, 4)

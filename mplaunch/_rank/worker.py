@@ -87,6 +87,11 @@ def _lead_own_group(stdin) -> None:
 def _apply_spec(spec, forked_from_launcher: bool = False) -> None:
     os.environ.clear()
     os.environ.update(spec.env)
+    if "SLURM_TASK_PID" in os.environ:
+        # Each rank is a task of its own (_engine.env rewrites the others); under srun a
+        # task's SLURM_TASK_PID is its own pid, known only here, not the launching
+        # process's or its node agent's that the environment was copied from.
+        os.environ["SLURM_TASK_PID"] = str(os.getpid())
     try:
         os.chdir(spec.cwd)
     except OSError:

@@ -25,7 +25,7 @@ def whoami():
     keys = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE",
             "LOCAL_WORLD_SIZE", "SLURMD_NODENAME", "SLURM_PROCID", "SLURM_LOCALID",
             "SLURM_NODEID", "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_STEP_ID",
-            "SLURM_JOB_NAME", "MASTER_ADDR", "MASTER_PORT")
+            "SLURM_JOB_NAME", "MASTER_ADDR", "MASTER_PORT", "SLURM_TASK_PID")
     with open("/proc/self/environ", "rb") as f:
         initial = f.read()
     return dict({k: os.environ.get(k) for k in keys}, pid=os.getpid(),
