@@ -38,6 +38,11 @@ class World:
     processes, their module globals, :func:`mplaunch.rank_state` and (with
     ``backend=``) the process group stay for the next ``run``.
 
+    ``nnodes=M`` spans M nodes of this SLURM allocation (see :ref:`world-across-nodes`)
+    with ``nprocs`` ranks on each, as ``launch(nprocs=, nnodes=)`` counts them:
+    ``World(4, nnodes=2)`` has 8 ranks. ``size`` is the World's number of ranks,
+    ``nprocs`` the number on each node.
+
     Takes the keyword arguments of :func:`mplaunch.launch` (``timeout`` applies to each
     run), ``gpus=`` and ``cpus=`` included. The ranks start at the first ``run`` (or
     ``start()``); with ``backend`` each has called
@@ -103,11 +108,18 @@ class World:
 
     @property
     def nprocs(self) -> int:
-        """How many ranks the World has, on every node."""
+        """How many ranks each node runs (one node: all of them); see ``size``."""
+        return self.cfg.nprocs
+
+    @property
+    def size(self) -> int:
+        """How many ranks the World has, on all its nodes: ``nprocs * nnodes``, the
+        ranks' ``WORLD_SIZE`` and the length of what ``run`` returns."""
         return self.cfg.world_size
 
     @property
     def nnodes(self) -> int:
+        """How many nodes the World spans (1 unless made with ``nnodes=``)."""
         return self.cfg.nnodes
 
     @property
@@ -156,8 +168,8 @@ class World:
     def restart(self, nnodes: Optional[int] = None,
                 nprocs: Optional[int] = None) -> "World":
         """End the ranks and start fresh ones. Across nodes, ``nnodes=M`` re-forms the
-        World on M nodes (with as many ranks per node, unless ``nprocs`` says how many
-        in all) in a new step: after a node was lost in an allocation made with
+        World on M nodes in a new step, with ``nprocs`` ranks on each (default: as many
+        as each node had): after a node was lost in an allocation made with
         ``--no-kill``, the nodes that remain (see :ref:`world-across-nodes`)."""
         with self._lock:
             self._engine.stop()
@@ -170,12 +182,10 @@ class World:
             raise ValueError("restart(nnodes=, nprocs=) re-forms a World across nodes; "
                              "make a new World to change a one-node World's size")
         backend, options, starter = self._made_with
-        total = nprocs if nprocs is not None else self.cfg.nprocs * nnodes
-        cfg, plan = _across_nodes(total, nnodes, backend, dict(options), starter)
-        self._engine.close_nodes()
+        per_node = nprocs if nprocs is not None else self.nprocs
+        cfg, plan = _across_nodes(per_node, nnodes, backend, dict(options), starter)
+        self._engine.reform(cfg, plan)
         self.cfg = cfg
-        self._engine = Serving(cfg, backend, self.heal, _CALLS, plan)
-        self._engine.fresh = list(range(cfg.world_size))   # every rank is new
 
     def close(self) -> None:
         """End every rank and release the store's port. Idempotent; from another thread
@@ -202,7 +212,8 @@ class World:
     def __repr__(self) -> str:
         state = ("closed" if self._closed else f"up, pids {self.pids}" if self._engine.up
                  else "not started")
-        nodes = f" nnodes={self.nnodes}" if self.nnodes > 1 else ""
+        nodes = (f" nnodes={self.nnodes} ({self.size} ranks)" if self.nnodes > 1
+                 else "")
         return (f"<mplaunch.World nprocs={self.nprocs}{nodes} backend={self.backend!r} "
                 f"{state}>")
 
@@ -211,8 +222,8 @@ NODES_PREFIX = "[{host} rank{rank}]: "
 
 
 def _across_nodes(nprocs, nnodes, backend, options, starter):
-    """The configuration of a World whose `nprocs` ranks are split evenly over `nnodes`
-    nodes of this SLURM allocation, checked before anything starts."""
+    """The configuration of a World of `nprocs` ranks on each of `nnodes` nodes of this
+    SLURM allocation, checked before anything starts."""
     from ._engine import nodestep
     if not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1:
         raise ValueError(f"nnodes must be an int >= 1 (the nodes of this allocation the "
@@ -220,12 +231,12 @@ def _across_nodes(nprocs, nnodes, backend, options, starter):
     for name in ("node_rank", "nnodes"):
         if options.get(name) is not None:
             raise TypeError(f"World(nnodes=...) places its nodes itself; leave {name} out")
-    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < nnodes \
-            or nprocs % nnodes:
-        raise ValueError(
-            f"World(nprocs={nprocs!r}, nnodes={nnodes}): nprocs counts every rank of the "
-            f"World, and each node runs nprocs // nnodes of them; give a multiple of "
-            f"{nnodes}, such as nprocs={2 * nnodes}")
+    if nprocs is not None and (not isinstance(nprocs, int) or isinstance(nprocs, bool)
+                               or nprocs < 1):
+        # 'auto' too: it would count this machine's GPUs or CPUs, not each node's.
+        raise ValueError(f"World(nprocs={nprocs!r}, nnodes={nnodes}): nprocs is the number "
+                         f"of ranks on each node, an int >= 1 (World(2, nnodes={nnodes}) "
+                         f"has {2 * nnodes} ranks), or None: one per entry of gpus=, else 1")
     if options.get("start_method") == "fork":
         raise ValueError("start_method='fork' cannot start ranks on other nodes; each "
                          "node's agent starts its ranks with 'forkserver' (the default) "
@@ -237,7 +248,7 @@ def _across_nodes(nprocs, nnodes, backend, options, starter):
     address = options.pop("master_addr", None) or _this_host_address()
     if options.get("prefix", DEFAULT_PREFIX) == DEFAULT_PREFIX:
         options["prefix"] = NODES_PREFIX
-    cfg = validate(procgroup.setup, (backend,), nprocs // nnodes,
+    cfg = validate(procgroup.setup, (backend,), nprocs,
                    dict(options, backend=backend, stdin_rank=None, master_addr=address))
     cfg = dataclasses.replace(cfg, nnodes=nnodes, node_rank=0)
     gpus, cpus = placement_args(options.get("gpus"), options.get("cpus"))

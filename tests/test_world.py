@@ -111,6 +111,15 @@ def test_results_by_rank_and_state_kept_between_runs():
     assert not gone(pids.values())
 
 
+def test_on_one_node_size_and_nprocs_are_the_same():
+    world = mplaunch.World(3)
+    try:
+        assert (world.nprocs, world.nnodes, world.size) == (3, 1, 3)
+        assert repr(world) == "<mplaunch.World nprocs=3 backend=None not started>"
+    finally:
+        world.close()
+
+
 def test_backend_means_the_group_exists_before_the_first_run_and_stays():
     with mplaunch.World(2, backend="gloo", timeout=60) as world:
         assert world.run(group_info) == [(True, 0, 2), (True, 1, 2)]
@@ -241,7 +250,8 @@ def test_close_is_idempotent_and_a_closed_world_refuses_to_run():
     # across nodes: checked before any step or agent starts
     ({"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": 29400},
      TypeError, "leave node_rank out"),
-    ({"nprocs": 3, "nnodes": 2}, ValueError, "multiple of 2"),
+    ({"nprocs": 0, "nnodes": 2}, ValueError, "ranks on each node"),
+    ({"nprocs": "auto", "nnodes": 2}, ValueError, "ranks on each node"),
     ({"nprocs": 4, "nnodes": 0}, ValueError, "nnodes must be an int >= 1"),
     ({"nprocs": 4, "nnodes": 2, "start_method": "fork"}, ValueError, "forkserver"),
     ({"nprocs": 4, "nnodes": 2}, RuntimeError, "not inside a SLURM allocation"),

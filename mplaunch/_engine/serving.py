@@ -184,6 +184,16 @@ class Serving:
         if hub is not None:
             hub.close()
 
+    def reform(self, cfg: LaunchConfig, nodes: NodesPlan) -> None:
+        """Across nodes, after stop(): serve with `cfg` on `nodes` from the next start,
+        in a new step (World.restart(nnodes=)). Every rank of the new layout is a fresh
+        process, including ranks that keep their numbers."""
+        if self.attempt is not None:
+            raise RuntimeError("reform() re-forms stopped ranks; call stop() first")
+        self.close_nodes()
+        self.cfg, self.nodes = cfg, nodes
+        self.fresh = list(range(cfg.world_size))
+
     # -- a call ----------------------------------------------------------------------
     def call(self, payload: bytes, timeout: Optional[float]) -> list:
         """Every rank's result of `payload`, or raise what launch() would (healed first
@@ -284,7 +294,10 @@ class Serving:
                     "torn down; the next run starts fresh ranks")
         self.fresh = [group.ranks[i].spec.rank for i in dead]
         pids = {group.ranks[i].spec.rank: group.ranks[i].pid for i in dead}
-        return what_was_kept(pids, backend, released, stale)
+        nodes = None if self.nodes is None else {
+            s.rank: f"node {s.node_rank} ({s.hostname})"
+            for s in (group.ranks[i].spec for i in dead)}
+        return what_was_kept(pids, backend, released, stale, nodes)
 
     def _rebuild(self, backend, n: int, dead: List[int], live) -> list:
         """Start a fresh process for each dead rank and build the group again in every
