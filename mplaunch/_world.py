@@ -19,7 +19,9 @@ from ._engine.config import (DEFAULT_PREFIX, LaunchConfig, check_call,
                              placement_args, seconds, validate)
 from ._engine.serving import NodesPlan, RankCalls, Serving
 from ._rank import heal, procgroup
+from ._launch import from_here
 from ._wire.payload import dumps_payload
+from .errors import MPLaunchError
 
 T = TypeVar("T")
 # mplaunch's own calls in the ranks, sent by reference to the rank's side
@@ -163,7 +165,11 @@ class World:
         payload = dumps_payload(func, args, kwargs or {})
         with self._lock:
             self.start()
-            return self._engine.call(payload, timeout)
+            try:
+                return self._engine.call(payload, timeout)
+            except MPLaunchError as err:
+                failure = err
+        raise from_here(failure)
 
     def restart(self, nnodes: Optional[int] = None,
                 nprocs: Optional[int] = None) -> "World":

@@ -725,3 +725,59 @@ def test_nodes_in_network_namespaces_use_their_own_addresses(netns_hosts):
     # gone with the World's close, not killed by the fixture's teardown of the namespaces
     assert _alive(tree, timeout=0) == []
     assert not netns._pids_in({h.inode for h in hosts})
+
+
+# -- output nobody reads ------------------------------------------------------------------
+
+FLOOD = 1 << 30
+
+
+def flood_between_calls(progress_path):
+    """In rank 2 (node 1): a thread writes 1 GiB to stdout after the call returned, and
+    notes in `progress_path` how much the pipe has taken so far."""
+    if os.environ["RANK"] != "2":
+        return 0
+
+    def write():
+        chunk = b"x" * ((1 << 20) - 1) + b"\n"
+        fd = os.open(progress_path, os.O_WRONLY | os.O_CREAT)
+        done = 0
+        while done < FLOOD:
+            done += os.write(1, chunk)
+            os.pwrite(fd, f"{done:>12}".encode(), 0)
+        os.close(fd)
+    threading.Thread(target=write, daemon=True).start()
+    return 1
+
+
+def _progress(path) -> int:
+    try:
+        with open(path) as f:
+            return int(f.read() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def test_a_remote_rank_flooding_its_output_between_calls_is_slowed_not_buffered(
+        tmp_path, capfd):
+    # A rank on this node blocks on its pipe while no call reads it; one on another node
+    # is held the same way by its agent's output window, not buffered without bound in
+    # the launching process.
+    me = psutil.Process()
+    progress = tmp_path / "progress"
+    with world() as w:
+        w.run(int, (1,))
+        before = me.memory_info().rss
+        assert sum(w.run(flood_between_calls, (str(progress),))) == 1
+        last, still_since, end = -1, time.monotonic(), time.monotonic() + 30
+        while time.monotonic() < end:
+            now = _progress(progress)
+            if now != last:
+                last, still_since = now, time.monotonic()
+            elif time.monotonic() - still_since > 2.0:
+                break            # the writer is blocked
+            time.sleep(0.1)
+        grown = me.memory_info().rss - before
+        assert 0 < last < 128 << 20, f"{last >> 20} MiB went out of the rank unread"
+        assert grown < 96 << 20, f"the launching process grew {grown >> 20} MiB"
+    capfd.readouterr()   # what was relayed as the world closed
