@@ -8,6 +8,8 @@ import linecache
 import sys
 from typing import Any, Dict, Tuple
 
+from .._wire import mainglobals
+
 
 # A cell travels as two arguments to the builtin exec: its source (compiled in the rank,
 # where its lines are also registered for the rank's own traceback) and the rank's
@@ -64,7 +66,8 @@ def _main_namespace() -> Dict[str, Any]:
 
 
 def push(values: Dict[str, Any]) -> None:
-    _main_namespace().update(values)
+    # Over the rank's own values on purpose: the names follow the notebook again.
+    mainglobals.push(_main_namespace(), values)
 
 
 def pull(name: str) -> Tuple[str, Any]:
