@@ -9,7 +9,6 @@ it and comes back once, with the results or the error to raise.
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import threading
 import warnings
@@ -151,7 +150,12 @@ class World:
         ``launch`` does, after healing the world (``err.healed`` says what it kept) or
         tearing it down; an interrupt (SIGINT) raises :class:`KeyboardInterrupt` in the
         ranks and here, the world kept (:class:`~mplaunch.MainProcessError` with
-        ``heal=False``, or for SIGTERM, SIGHUP, SIGQUIT or a second SIGINT)."""
+        ``heal=False``, or for SIGTERM, SIGHUP, SIGQUIT or a second SIGINT).
+
+        ``func``'s globals from ``__main__`` take this process's values, but not over a
+        name the ranks' own code assigned (a warning names it, once; pass the value as
+        an argument instead); modules this process reloaded since the last run are
+        reloaded in the ranks first. See :ref:`world-globals`."""
         check_call(func, args, kwargs)
         # None: the world's own timeout; inf: none, for this call (the loop's deadline
         # is then never reached, and its waits are sliced).
@@ -259,13 +263,16 @@ NODES_PREFIX = "[{host} rank{rank}]: "
 
 def _outside_mplaunch() -> int:
     """The stacklevel of a warning given in a World's method: the first frame of the
-    caller's code, below mplaunch's own (a %%ranks magic's included)."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    user's code, past mplaunch's own and, for a ``%ranks`` magic, IPython's that ran it
+    (the warning then shows the cell's line)."""
     level, frame = 1, sys._getframe(1)
     while frame is not None and \
-            os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+            frame.f_globals.get("__name__", "").partition(".")[0] in _NOT_USERS:
         level, frame = level + 1, frame.f_back
     return level
+
+
+_NOT_USERS = ("mplaunch", "IPython")
 
 
 def _across_nodes(nprocs, nnodes, backend, options, starter):
