@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
+import types
 import warnings
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVar
 
@@ -265,7 +266,8 @@ def _outside_mplaunch() -> int:
     """The stacklevel of a warning given in a World's method: the first frame of the
     user's code, past mplaunch's own and, for a ``%ranks`` magic, IPython's that ran it
     (the warning then shows the cell's line)."""
-    level, frame = 1, sys._getframe(1)
+    level = 1
+    frame: Optional[types.FrameType] = sys._getframe(1)
     while frame is not None and \
             frame.f_globals.get("__name__", "").partition(".")[0] in _NOT_USERS:
         level, frame = level + 1, frame.f_back

@@ -45,6 +45,7 @@ def _run_script(tmp_path, source: str, *args) -> dict:
 # and the other kinds of names a script's functions use.
 GLOBALS_SCRIPT = """
 import json, sys, warnings
+import torch
 import mplaunch
 
 counter = 0
@@ -52,6 +53,7 @@ model = opt = None         # placeholders: setup() assigns them in the ranks
 cache = None               # the same, for a list the ranks then append to
 lr = 0.1                   # a constant the ranks only read
 history = []               # a list of this process's, that the ranks only append to
+layer = torch.nn.Linear(2, 1)   # a real object of this process's, that the ranks move
 
 
 def setup(width):
@@ -89,6 +91,15 @@ def use_helper():
     return helper()
 
 
+def move_layer():
+    global layer
+    layer = layer.double()     # the same object (Module.double returns self), assigned
+
+
+def layer_dtype():
+    return str(layer.weight.dtype)
+
+
 def read_counter():
     return counter
 
@@ -113,6 +124,8 @@ with warnings.catch_warnings(record=True) as caught:
 
         result["helper"] = world.run(use_helper)
         result["argument"] = world.run(lambda c: c, args=(counter,))
+        world.run(move_layer)
+        result["layer"] = world.run(layer_dtype)
         world.run(drop_counter)         # deleted in the ranks: follows this process again
         result["after del"] = world.run(read_counter)
     result["launch"] = mplaunch.launch(read_counter, nprocs=2, start_method=sys.argv[1])
@@ -135,12 +148,15 @@ def test_a_scripts_placeholders_do_not_reset_what_the_ranks_built(tmp_path, meth
     assert result["bump again"] == [[102, 2, 1, 0.5, 0.1]] * 2, result
     assert result["helper"] == ["redefined"] * 2, result
     assert result["argument"] == [0, 0], result      # the way to send this process's
+    # `layer = layer.double()` assigns the object the name already held: still the
+    # ranks' from then on (their code has the assignment), not this process's float32.
+    assert result["layer"] == ["torch.float64"] * 2, result
     assert result["after del"] == [0, 0], result     # the ranks gave the name up
     assert result["launch"] == [0, 0], result        # fresh ranks: nothing of their own
     # One warning per name the ranks kept, at the run() that first met it, saying what
     # was kept and how to send this process's value instead.
     warned = result["warnings"]
-    names = ["model", "opt", "counter", "cache"]
+    names = ["model", "opt", "counter", "cache", "layer"]
     assert len(warned) == len(names), warned
     lines = GLOBALS_SCRIPT.splitlines()
     for name, text in zip(sorted(names), sorted(warned, key=lambda w: w.split("'")[1])):

@@ -204,7 +204,7 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
             try:
                 value = func(*args, **kwargs)
             finally:
-                mainglobals.settle()   # the caller's objects the call replaced are freed
+                mainglobals.settle(func)   # what the call assigned is the rank's
     except SystemExit as exc:
         exitcode = _exit_code(exc.code)
         if exitcode == 0:

@@ -24,10 +24,13 @@ The rule, per name:
   again until the rank binds it anew; a name the rank deleted follows the caller again.
 
 How the rank tells its own names: the ledger remembers, for each name, the object it
-last put there from the caller; a name that no longer holds that very object was bound
-by the rank since. Identity, not equality: rebinding is what the rank's code does to a
-name; an object the rank changes in place (``history.append(x)``) is still the caller's,
-and the caller's next copy replaces it, as before.
+last put there from the caller. After each call, a name that no longer holds that very
+object was bound by the rank; so was one that a ``global`` statement of the code the
+call ran assigns (the call's function and the `__main__` functions and classes it
+names), which catches ``model = model.to(device)``, a rebinding to the same object.
+Identity and assignment, not equality: an object the rank changes in place
+(``history.append(x)``) is still the caller's, and the caller's next copy replaces it,
+as before.
 
 Rejected: ipyparallel's ``@interactive`` way, where a function resolves every global in
 the engine's namespace and nothing travels unless pushed: mplaunch's functions run with
@@ -38,7 +41,10 @@ snapshot of each value sent (a second copy of every global).
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional
+import functools
+import opcode
+import types
+from typing import Dict, Iterable, List, Optional, Set
 
 __all__ = ["track", "function_reduce", "function_setstate", "install", "push", "settle",
            "take_kept"]
@@ -123,17 +129,23 @@ def push(namespace: dict, values: dict) -> None:
         ledger.given.update(values)
 
 
-def settle() -> None:
-    """After a call: forget the caller's objects that the rank's code has replaced (or
-    deleted), so that they are freed now rather than at the next call. The names stay
-    the rank's: they no longer hold what the caller gave."""
+def settle(func=None) -> None:
+    """After a call of `func`: the names its code assigned, or that no longer hold the
+    caller's object, are the rank's from now on; and the caller's objects they held
+    are forgotten, so that they are freed now rather than at the next call."""
     ledger = _ledger
     if ledger is None:
         return
-    namespace = ledger.namespace
-    for name in [n for n, obj in ledger.given.items()
-                 if namespace.get(n, _MISSING) is not obj]:
-        del ledger.given[name]
+    namespace, given = ledger.namespace, ledger.given
+    for name in [n for n, obj in given.items() if namespace.get(n, _MISSING) is not obj]:
+        del given[name]
+    if given and func is not None:
+        try:
+            assigned = _assigned_by(func, namespace, set(given))
+        except Exception:  # noqa: BLE001 - odd code or objects: identity alone decides
+            assigned = set()
+        for name in assigned:
+            del given[name]
 
 
 def take_kept() -> List[str]:
@@ -160,3 +172,64 @@ def _differ(current, value) -> bool:
         return not bool(current == value)
     except Exception:  # noqa: BLE001 - a container of tensors, say
         return True
+
+
+_STORE_GLOBAL = opcode.opmap["STORE_GLOBAL"]
+_MAIN_NAMES = ("__main__", "__mp_main__")   # as _wire.mainmod.MAIN_NAMES (which imports us)
+
+
+def _assigned_by(func, namespace: dict, wanted: Set[str]) -> Set[str]:
+    """The names of `wanted` that a ``global`` statement assigns in the code `func`
+    runs: its own, and that of the functions and classes of `namespace` it names, and
+    of theirs. Code that may not have run counts too: a function that declares ``global
+    best`` and assigns it makes ``best`` state of the process it runs in."""
+    found: Set[str] = set()
+    seen: Set[int] = set()
+    todo = [func]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, functools.partial):
+            todo.append(obj.func)
+            continue
+        obj = getattr(obj, "__func__", obj)          # a bound method
+        if isinstance(obj, type):
+            todo.extend(vars(obj).values())          # its methods (in __main__ or not)
+            continue
+        if isinstance(obj, (staticmethod, classmethod, property)):
+            todo.extend(f for f in (getattr(obj, "__func__", None),
+                                    getattr(obj, "fget", None),
+                                    getattr(obj, "fset", None)) if f is not None)
+            continue
+        if not isinstance(obj, types.FunctionType) or obj.__globals__ is not namespace:
+            continue
+        for code in _codes(obj.__code__):
+            found |= _stores(code, wanted)
+            for name in code.co_names:
+                value = namespace.get(name)
+                if isinstance(value, types.FunctionType) or (
+                        isinstance(value, type) and value.__module__ in _MAIN_NAMES):
+                    todo.append(value)
+    return found
+
+
+def _codes(code):
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
+
+
+def _stores(code, wanted: Set[str]) -> Set[str]:
+    names = code.co_names
+    if wanted.isdisjoint(names):
+        return set()
+    found, raw, extended = set(), code.co_code, 0
+    for i in range(0, len(raw), 2):
+        op, arg = raw[i], raw[i + 1] | extended
+        extended = arg << 8 if op == opcode.EXTENDED_ARG else 0
+        if op == _STORE_GLOBAL and arg < len(names) and names[arg] in wanted:
+            found.add(names[arg])
+    return found
