@@ -281,6 +281,18 @@ KERNEL_CELLS = {
     "follows": "%%ranks\nprint('ranks now', nbhelper.version(), step())",
     "push-model": "%ranks push model",
     "pushed": "%%ranks\nprint('pushed', model)",
+    "box": ("class Box:\n"
+            "    where = 'kernel'\n"
+            "    def moved(self):\n"
+            "        self.where = 'ranks'\n"
+            "        return self\n"
+            "box = Box()\n"
+            "%ranks push box"),
+    "move": "%%ranks\nbox = box.moved()",
+    "where": ("def where():\n"
+              "    return box.where\n"
+              "%ranks push where"),
+    "moved": "%%ranks\nprint('box is in the', where())",
 }
 
 
@@ -317,4 +329,9 @@ def test_a_kernel_keeps_the_ranks_names_and_follows_its_reloads(kernel_config, t
         assert f"[rank{rank}]: ranks now three! (3, 2, 0.5)" in out["follows"], out
         # %ranks push overwrites on purpose
         assert f"[rank{rank}]: pushed None" in out["pushed"], out["pushed"]
+        # a cell's `box = box.moved()` leaves the pushed object there, and still makes
+        # `box` the ranks': pushing `where`, which names it, does not bring the
+        # kernel's box back
+        assert f"[rank{rank}]: box is in the ranks" in out["moved"], out["moved"]
     assert not err["follows"] and not err["push-model"], err
+    assert "'box'" in err["where"] and "%ranks push box" in err["where"], err["where"]

@@ -37,7 +37,9 @@ def cell_code(filename: str, shown: str, offset: int, body: str):
     linecache.cache[filename] = (len(shown), None, lines, filename)
     tree = ast.parse("\n" * offset + body, filename, "exec")
     _display_last_expression(tree)
-    return compile(tree, filename, "exec", dont_inherit=True)
+    code = compile(tree, filename, "exec", dont_inherit=True)
+    mainglobals.cell_runs(code)   # what it assigns is the rank's (_wire.mainglobals)
+    return code
 
 
 def _display_last_expression(tree) -> None:

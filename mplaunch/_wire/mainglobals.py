@@ -25,9 +25,10 @@ The rule, per name:
 
 How the rank tells its own names: the ledger remembers, for each name, the object it
 last put there from the caller. After each call, a name that no longer holds that very
-object was bound by the rank; so was one that a ``global`` statement of the code the
-call ran assigns (the call's function and the `__main__` functions and classes it
-names), which catches ``model = model.to(device)``, a rebinding to the same object.
+object was bound by the rank; so was one that the code the call ran assigns (a
+``global`` statement of the call's function or of the `__main__` functions and classes
+it names, a statement of a ``%%ranks`` cell), which catches ``model =
+model.to(device)``, a rebinding to the same object.
 Identity and assignment, not equality: an object the rank changes in place
 (``history.append(x)``) is still the caller's, and the caller's next copy replaces it,
 as before.
@@ -46,8 +47,8 @@ import opcode
 import types
 from typing import Dict, Iterable, List, Optional, Set
 
-__all__ = ["track", "function_reduce", "function_setstate", "install", "push", "settle",
-           "take_kept"]
+__all__ = ["track", "function_reduce", "function_setstate", "install", "push",
+           "cell_runs", "settle", "take_kept"]
 
 _MISSING = object()
 # Values whose == is plain data comparison, safe to call and a real bool: where the
@@ -58,13 +59,14 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, tuple, list, dict, 
 
 
 class _Ledger:
-    __slots__ = ("namespace", "given", "told", "kept")
+    __slots__ = ("namespace", "given", "told", "kept", "cells")
 
     def __init__(self, namespace: dict):
         self.namespace = namespace
         self.given: Dict[str, object] = {}   # name -> the caller's object put there last
         self.told: set = set()               # names already reported
         self.kept: List[str] = []            # names to report after this load
+        self.cells: list = []                # the code of %%ranks cells this call runs
 
 
 _ledger: Optional[_Ledger] = None
@@ -129,19 +131,27 @@ def push(namespace: dict, values: dict) -> None:
         ledger.given.update(values)
 
 
+def cell_runs(code) -> None:
+    """A ``%%ranks`` cell's code is about to run in the rank's `__main__` (_rank.cells):
+    `settle` reads what it assigns. (Not in the notebook, which compiles it too.)"""
+    if _ledger is not None:
+        _ledger.cells.append(code)
+
+
 def settle(func=None) -> None:
-    """After a call of `func`: the names its code assigned, or that no longer hold the
-    caller's object, are the rank's from now on; and the caller's objects they held
-    are forgotten, so that they are freed now rather than at the next call."""
+    """After a call of `func`: the names its code assigned (or a cell's), or that no
+    longer hold the caller's object, are the rank's from now on; the caller's objects
+    they held are forgotten, so that they are freed now rather than at the next call."""
     ledger = _ledger
     if ledger is None:
         return
     namespace, given = ledger.namespace, ledger.given
+    runs, ledger.cells = [f for f in (func, *ledger.cells) if f is not None], []
     for name in [n for n, obj in given.items() if namespace.get(n, _MISSING) is not obj]:
         del given[name]
-    if given and func is not None:
+    if given and runs:
         try:
-            assigned = _assigned_by(func, namespace, set(given))
+            assigned = _assigned_by(runs, namespace, set(given))
         except Exception:  # noqa: BLE001 - odd code or objects: identity alone decides
             assigned = set()
         for name in assigned:
@@ -175,17 +185,20 @@ def _differ(current, value) -> bool:
 
 
 _STORE_GLOBAL = opcode.opmap["STORE_GLOBAL"]
+_STORE_NAME = opcode.opmap["STORE_NAME"]
 _MAIN_NAMES = ("__main__", "__mp_main__")   # as _wire.mainmod.MAIN_NAMES (which imports us)
 
 
-def _assigned_by(func, namespace: dict, wanted: Set[str]) -> Set[str]:
-    """The names of `wanted` that a ``global`` statement assigns in the code `func`
-    runs: its own, and that of the functions and classes of `namespace` it names, and
-    of theirs. Code that may not have run counts too: a function that declares ``global
-    best`` and assigns it makes ``best`` state of the process it runs in."""
+def _assigned_by(runs, namespace: dict, wanted: Set[str]) -> Set[str]:
+    """The names of `wanted` that the code in `runs` assigns: a function's ``global``
+    statements, a ``%%ranks`` cell's assignments (a code object run in `namespace`),
+    and the ``global`` statements of the functions and classes of `namespace` that
+    they name, and of theirs. Code that may not have run counts too: a function that
+    declares ``global best`` and assigns it makes ``best`` state of the process it
+    runs in."""
     found: Set[str] = set()
     seen: Set[int] = set()
-    todo = [func]
+    todo = list(runs)
     while todo:
         obj = todo.pop()
         if id(obj) in seen:
@@ -193,25 +206,26 @@ def _assigned_by(func, namespace: dict, wanted: Set[str]) -> Set[str]:
         seen.add(id(obj))
         if isinstance(obj, functools.partial):
             todo.append(obj.func)
-            continue
-        obj = getattr(obj, "__func__", obj)          # a bound method
-        if isinstance(obj, type):
-            todo.extend(vars(obj).values())          # its methods (in __main__ or not)
-            continue
-        if isinstance(obj, (staticmethod, classmethod, property)):
-            todo.extend(f for f in (getattr(obj, "__func__", None),
-                                    getattr(obj, "fget", None),
-                                    getattr(obj, "fset", None)) if f is not None)
-            continue
-        if not isinstance(obj, types.FunctionType) or obj.__globals__ is not namespace:
-            continue
-        for code in _codes(obj.__code__):
-            found |= _stores(code, wanted)
-            for name in code.co_names:
-                value = namespace.get(name)
-                if isinstance(value, types.FunctionType) or (
-                        isinstance(value, type) and value.__module__ in _MAIN_NAMES):
-                    todo.append(value)
+        elif isinstance(obj, (types.MethodType, staticmethod, classmethod)):
+            todo.append(obj.__func__)
+        elif isinstance(obj, property):
+            todo.extend(f for f in (obj.fget, obj.fset, obj.fdel) if f is not None)
+        elif isinstance(obj, type):
+            todo.extend(vars(obj).values())
+        elif isinstance(obj, (types.FunctionType, types.CodeType)):
+            cell = isinstance(obj, types.CodeType)
+            if not cell and obj.__globals__ is not namespace:
+                continue   # another module's: its globals are not __main__'s
+            for code in _codes(obj if cell else obj.__code__):
+                # A cell's own statements bind names with STORE_NAME (a module's code);
+                # in the functions and classes it defines, that is a local or a class
+                # attribute.
+                found |= _stores(code, wanted, cell and code is obj)
+                for name in code.co_names:
+                    value = namespace.get(name)
+                    if isinstance(value, types.FunctionType) or (
+                            isinstance(value, type) and value.__module__ in _MAIN_NAMES):
+                        todo.append(value)
     return found
 
 
@@ -222,14 +236,15 @@ def _codes(code):
             yield from _codes(const)
 
 
-def _stores(code, wanted: Set[str]) -> Set[str]:
+def _stores(code, wanted: Set[str], module_level: bool) -> Set[str]:
     names = code.co_names
     if wanted.isdisjoint(names):
         return set()
+    ops = (_STORE_GLOBAL, _STORE_NAME) if module_level else (_STORE_GLOBAL,)
     found, raw, extended = set(), code.co_code, 0
     for i in range(0, len(raw), 2):
         op, arg = raw[i], raw[i + 1] | extended
         extended = arg << 8 if op == opcode.EXTENDED_ARG else 0
-        if op == _STORE_GLOBAL and arg < len(names) and names[arg] in wanted:
+        if op in ops and arg < len(names) and names[arg] in wanted:
             found.add(names[arg])
     return found
