@@ -3,11 +3,11 @@ calling process reloads, as users meet them: a script run with ``python``, and a
 Jupyter kernel where a World and ``%%ranks`` cells are used side by side. (The plugin's
 reuse is in test_plugin_reuse.)
 
-The rule under test (docs/world.rst, "What stays"): a name the ranks' own code assigned
-is theirs, and the calling process's global of the same name does not overwrite it
-(a warning says so, once per name); a name the ranks only received still follows the
-calling process, as do the classes and functions `__main__` defines; ``%ranks push``
-overwrites on purpose. A module the calling process reloaded is reloaded in the ranks
+The rule under test (docs/world.rst, world-globals and world-modules): a name the
+ranks' own code assigned is theirs, and the calling process's global of the same name
+does not overwrite it (a warning says so, once per name); a name the ranks only
+received still follows the calling process, as do the classes and functions
+`__main__` defines; ``%ranks push`` overwrites on purpose. A module the calling process reloaded is reloaded in the ranks
 before the next run; ``launch`` reads the file as it is.
 
 Each script runs in a fresh interpreter: what is under test is that interpreter's

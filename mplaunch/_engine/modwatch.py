@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import sys
 import types
+from importlib.machinery import ModuleSpec
 from typing import Any, Dict, List, Set, Tuple
 
 __all__ = ["ModuleWatch"]
@@ -78,7 +79,10 @@ def _spec_if_users(name: str, module):
         return None
     # The module's own dict: no module __getattr__ (lazy modules) runs.
     spec = module.__dict__.get("__spec__")
-    origin = getattr(spec, "origin", None)
+    try:
+        origin = spec.origin if isinstance(spec, ModuleSpec) else None
+    except Exception:  # noqa: BLE001 - an odd spec: not one of the user's modules
+        return None
     if not (isinstance(origin, str) and origin.endswith(".py")) or \
             origin.startswith(_installed()):
         return None
