@@ -331,6 +331,7 @@ class _Ranks:
         s = dict(self.settings)
         nprocs, backend = s.pop("nprocs"), s.pop("backend")
         world = World(nprocs, backend=backend, **s)
+        world._send_hint = "To send the notebook's value: %ranks push {name}"
         world.start()
         self.world, self.torn_down = world, None
         names = [n["name"] for n in world.nodes]

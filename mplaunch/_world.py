@@ -9,7 +9,10 @@ it and comes back once, with the results or the error to raise.
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
+import types
+import warnings
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVar
 
 import dataclasses
@@ -17,8 +20,9 @@ import socket
 
 from ._engine.config import (DEFAULT_PREFIX, LaunchConfig, check_call,
                              placement_args, seconds, validate)
+from ._engine.modwatch import ModuleWatch
 from ._engine.serving import NodesPlan, RankCalls, Serving
-from ._rank import heal, procgroup
+from ._rank import heal, procgroup, reloads
 from ._launch import from_here
 from ._wire.payload import dumps_payload
 from .errors import MPLaunchError
@@ -60,6 +64,9 @@ class World:
     """
 
     __module__ = "mplaunch"
+    # What the warning about a name the ranks kept says to do to send this process's
+    # value instead (the %%ranks magic's world says `%ranks push NAME`).
+    _send_hint = "To send this process's value, pass it to run() as an argument."
 
     def __init__(self, nprocs: Any = None, backend: Optional[str] = None,
                  heal: bool = True, nnodes: Any = None, **options: Any):
@@ -93,6 +100,8 @@ class World:
         # order they come, and two callers would take each other's (and register the
         # same fds twice with the selector). A second thread's run() waits its turn.
         self._lock = threading.RLock()
+        self._modules = ModuleWatch()
+        self._told: Set[str] = set()   # the names a kept-value warning was given for
         _open.add(self)
 
     # -- public ----------------------------------------------------------------------
@@ -156,7 +165,12 @@ class World:
         ``launch`` does, after healing the world (``err.healed`` says what it kept) or
         tearing it down; an interrupt (SIGINT) raises :class:`KeyboardInterrupt` in the
         ranks and here, the world kept (:class:`~mplaunch.MainProcessError` with
-        ``heal=False``, or for SIGTERM, SIGHUP, SIGQUIT or a second SIGINT)."""
+        ``heal=False``, or for SIGTERM, SIGHUP, SIGQUIT or a second SIGINT).
+
+        ``func``'s globals from ``__main__`` take this process's values, but not over a
+        name the ranks' own code assigned (a warning names it, once; pass the value as
+        an argument instead); modules this process reloaded since the last run are
+        reloaded in the ranks first. See :ref:`world-globals`."""
         check_call(func, args, kwargs)
         # None: the world's own timeout; inf: none, for this call (the loop's deadline
         # is then never reached, and its waits are sliced).
@@ -164,12 +178,50 @@ class World:
             timeout = seconds("timeout", timeout, optional=True)
         payload = dumps_payload(func, args, kwargs or {})
         with self._lock:
+            was_up = self._engine.up
             self.start()
+            self._follow_reloads(was_up, timeout)
             try:
-                return self._engine.call(payload, timeout)
+                try:
+                    return self._engine.call(payload, timeout)
+                finally:
+                    self._say_kept()
             except MPLaunchError as err:
                 failure = err
         raise from_here(failure)
+
+    def _follow_reloads(self, was_up: bool, timeout) -> None:
+        """Reload in the ranks, before the call, the modules this process reloaded
+        since the last run (_engine.modwatch): fresh ranks import them as they are."""
+        names = self._modules.reloaded()
+        if not (names and was_up):
+            return
+        answers = self._engine.call(dumps_payload(reloads.reload_modules, (names,), {}),
+                                    timeout)
+        failed: dict = {}
+        for answer in answers:
+            for name, why in answer.items():
+                failed.setdefault(name, why)
+        for name, why in failed.items():
+            warnings.warn(f"mplaunch.World: the ranks could not reload {name!r}, which "
+                          f"this process reloaded ({why}); they run the version they "
+                          "had", RuntimeWarning, stacklevel=_outside_mplaunch())
+
+    def _say_kept(self) -> None:
+        """Warn, once per name, where ranks kept their own value of a `__main__` name
+        over this process's (_wire.mainglobals)."""
+        for name, ranks in sorted(self._engine.take_kept_globals().items()):
+            if name in self._told:
+                continue
+            self._told.add(name)
+            who = ("the ranks" if len(ranks) >= self.nprocs else
+                   f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, sorted(ranks)))}")
+            warnings.warn(
+                f"mplaunch.World: {who} kept their own {name!r} (their code assigned it), "
+                f"not this process's {name!r}, which the function also names: a name "
+                f"the ranks assign is theirs from then on. "
+                f"{self._send_hint.format(name=name)}", UserWarning,
+                stacklevel=_outside_mplaunch())
 
     def restart(self, nnodes: Optional[int] = None,
                 nprocs: Optional[int] = None) -> "World":
@@ -225,6 +277,21 @@ class World:
 
 
 NODES_PREFIX = "[{host} rank{rank}]: "
+
+
+def _outside_mplaunch() -> int:
+    """The stacklevel of a warning given in a World's method: the first frame of the
+    user's code, past mplaunch's own and, for a ``%ranks`` magic, IPython's that ran it
+    (the warning then shows the cell's line)."""
+    level = 1
+    frame: Optional[types.FrameType] = sys._getframe(1)
+    while frame is not None and \
+            frame.f_globals.get("__name__", "").partition(".")[0] in _NOT_USERS:
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+_NOT_USERS = ("mplaunch", "IPython")
 
 
 def _across_nodes(nprocs, nnodes, backend, options, starter):

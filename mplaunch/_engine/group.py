@@ -9,6 +9,7 @@ from ``ranks`` and ``failures``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -25,7 +26,7 @@ from .output import StreamRelay, read_pipe
 from .ranks import RankState, drain_outputs
 from .signals import Waker
 from .._wire.channel import send_framed
-from .._wire.messages import CALL_TAG, RESULT_TAG, Raised, Returned
+from .._wire.messages import CALL_TAG, RESULT_TAG, KeptGlobals, Raised, Returned
 from .._wire.payload import loads_result
 from .._wire.spec import RankSpec
 from ..errors import RankFailure
@@ -261,6 +262,8 @@ class RankGroup:
         msg = pickle.loads(body)
         if isinstance(msg, Returned):
             r.result, r.has_result = msg.value, True
+        elif isinstance(msg, KeptGlobals):   # before its answer (_wire.mainglobals)
+            r.kept_globals += msg.names
         elif isinstance(msg, Raised):
             r.error = msg
             # An error raised after the teardown began is its consequence, not a cause.
@@ -337,10 +340,8 @@ class RankGroup:
                                        tokens=[self.ranks.index(r) for r in ranks])
 
     def _unregister(self, fileobj) -> None:
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(fileobj)
-        except (KeyError, ValueError):
-            pass
 
     # -- the end ---------------------------------------------------------------------
     def close(self) -> None:

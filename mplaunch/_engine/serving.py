@@ -80,6 +80,7 @@ class Serving:
         self.fresh: List[int] = []    # the ranks that are fresh processes since the last call
         self._stack: Optional[contextlib.ExitStack] = None
         self._generation = 0          # how many times ranks were started
+        self._called = None           # the group of the last call (take_kept_globals)
 
     @property
     def up(self) -> bool:
@@ -201,6 +202,7 @@ class Serving:
         self.start()
         self.fresh = []
         attempt = self._send(payload)
+        self._called = attempt.group
         if not self.heal:
             return self._wait_replies(timeout)
         group = attempt.group
@@ -225,6 +227,18 @@ class Serving:
         else:
             error.healed = kept
         raise error
+
+    def take_kept_globals(self) -> Dict[str, List[int]]:
+        """{name: ranks} of the `__main__` names that ranks kept over the calling
+        process's values in the calls since the last look (_wire.mainglobals), also
+        after a call that failed or tore the ranks down."""
+        group, self._called = self._called, None
+        kept: Dict[str, List[int]] = {}
+        for r in group.ranks if group is not None else ():
+            for name in r.kept_globals:
+                kept.setdefault(name, []).append(r.spec.rank)
+            r.kept_globals = ()
+        return kept
 
     def _send(self, payload: bytes) -> Attempt:
         attempt = self.attempt

@@ -18,11 +18,12 @@ import time
 from . import collectives, heal, procgroup, rendezvous, serve as serving, streams
 # Imported here, not when first used: the server imports this module before it forks
 # any rank (a forked rank finds them loaded), and every rank needs them.
-from .._wire import linux, mainmod, payload as wire_payload
+from .._wire import linux, mainglobals, mainmod, payload as wire_payload
 from .._wire.channel import send_framed
 from .._wire.exceptions import pack_exception
 from .._wire.messages import (EXIT_CHANNEL_CLOSED, EXIT_ERROR, EXIT_PARENT_GONE,
-                              MESSAGE_TAG, RESULT_TAG, STACK_SIGNAL, Raised, Returned)
+                              MESSAGE_TAG, RESULT_TAG, STACK_SIGNAL, KeptGlobals, Raised,
+                              Returned)
 
 # mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.serve)
 __mplaunch_plumbing__ = True
@@ -202,7 +203,13 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
             func, args, kwargs = wire_payload.loads_payload(payload,
                                                            mainmod.publish(payload_fd))
             del payload
-            value = func(*args, **kwargs)
+            kept = mainglobals.take_kept()
+            if kept:
+                _send(sock, KeptGlobals(tuple(kept)))   # the caller warns, once per name
+            try:
+                value = func(*args, **kwargs)
+            finally:
+                mainglobals.settle(func)   # what the call assigned is the rank's
     except SystemExit as exc:
         exitcode = _exit_code(exc.code)
         if exitcode == 0:
