@@ -9,7 +9,7 @@ machine, loopback), runs ``salloc -N2 python bench/nodes.py --inner`` in it, and
 what the inner process measured:
 
 1. Start: from nothing to the first gloo ``all_reduce`` of 4 ranks done, 2 per node:
-   ``World(4, nnodes=2)`` and its first ``run`` (one srun step of node agents, started
+   ``World(2, nnodes=2)`` and its first ``run`` (one srun step of node agents, started
    from a process that has imported torch, as a notebook has), against the one-shot
    batch ways: ``srun -N2 -n2 python -m mplaunch --nprocs 2 script.py`` (a watcher per
    node) and ``srun -N2 -n2 python -m torch.distributed.run --nnodes 2
@@ -53,7 +53,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-NPROCS, NNODES = 4, 2
+NPROCS, NNODES = 4, 2     # ranks in all, and nodes
+PER_NODE = NPROCS // NNODES   # a World's nprocs counts one node's ranks, as launch's
 FAILING = 3          # on the second node (ranks 2 and 3 live on n2)
 GRACE = 5.0
 
@@ -147,8 +148,8 @@ def _stamped(directory):
 
 def _world(**kw):
     import mplaunch
-    return mplaunch.World(NPROCS, nnodes=NNODES, backend="gloo", master_addr="127.0.0.1",
-                          **kw)
+    return mplaunch.World(PER_NODE, nnodes=NNODES, backend="gloo",
+                          master_addr="127.0.0.1", **kw)
 
 
 def start_world():
@@ -205,7 +206,7 @@ def starts(repeats, workdir):
     with open(os.path.join(workdir, "script.py"), "w") as f:
         f.write(SCRIPT)
     kinds = {
-        "World(4, nnodes=2): World() + first run": start_world,
+        "World(2, nnodes=2): World() + first run": start_world,
         "srun + python -m mplaunch --nprocs 2 (a watcher per node)":
             lambda: start_watchers(workdir),
         "srun + torchrun --nnodes 2 --nproc-per-node 2 (c10d)":
@@ -243,7 +244,7 @@ def starts(repeats, workdir):
 def calls(n):
     import mplaunch
     out = {}
-    for name, make in (("World(4, nnodes=2)", _world),
+    for name, make in (("World(2, nnodes=2)", _world),
                        ("World(4), one node", lambda: mplaunch.World(NPROCS,
                                                                      backend="gloo"))):
         with make() as w:
@@ -476,7 +477,7 @@ def _print(report):
           f" / load average {report['loadavg_before'][0]:.1f} before, "
           f"{report['loadavg_after'][0]:.1f} after")
     st = report["start"]
-    base = st["World(4, nnodes=2): World() + first run"]["first_s"]
+    base = st["World(2, nnodes=2): World() + first run"]["first_s"]
     print(f"\n1. from nothing to the first all_reduce of {NPROCS} ranks, 2 per node "
           "(median; exit: until the launcher returned):")
     for name, r in st.items():

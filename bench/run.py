@@ -191,6 +191,9 @@ def main(argv=None):
     report["scale"] = scale([2, 4, 8, 16, 32, 64], max(2, repeats // 2))
     log("memory:")
     report["memory"] = memory()
+    log("start-up, empty and busy TCP table (bench/startup.py):")
+    import startup
+    report["startup"] = startup.measure([4, 64] if args.quick else [4, 16, 64], 1)
     log("relay:")
     try:
         report["relay"] = relay(100 if args.quick else 400)
@@ -212,6 +215,9 @@ def main(argv=None):
     m = report["memory"]
     print(f"\nmemory: forkserver RSS {m['server_rss_mb']:.0f} MB; each rank (torch imported) "
           f"RSS {m['rank_rss_mb']:.0f} MB of which unique {m['rank_uss_mb']:.1f} MB")
+    print("\nstart-up of a process group, empty and busy table (10,000 TIME_WAIT sockets):")
+    for row in report["startup"]["rows"]:
+        print("  " + startup.line(row))
     r = report["relay"]
     if "error" in r:
         print(f"\nrelay: {r['error']}")

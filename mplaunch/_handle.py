@@ -15,8 +15,9 @@ from typing import Any, Callable, Dict, Generic, List, Optional, TypeVar
 
 from ._engine import signals
 from ._engine.config import validate
-from ._launch import Run
+from ._launch import Run, from_here
 from ._wire.payload import dumps_payload
+from .errors import MPLaunchError
 
 T = TypeVar("T")
 
@@ -98,6 +99,8 @@ class Handle(Generic[T]):
             raise TimeoutError(f"the launch is still running after {timeout:g} s; call "
                                "result() again to keep waiting, or stop() to end it")
         self._thread.join()
+        if isinstance(self._error, MPLaunchError):
+            raise from_here(self._error)   # not the monitor thread's frames
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]

@@ -8,6 +8,7 @@ from typing import (Any, Callable, Iterable, List, Mapping, Optional, Sequence, 
 from ._engine.config import DEFAULT_PREFIX, OPTION_DEFAULTS, Script, validate
 from ._engine.run import Run
 from ._wire.payload import dumps_payload
+from .errors import MPLaunchError
 
 T = TypeVar("T")
 
@@ -130,7 +131,19 @@ def launch(
     """
     # Every keyword option, by name: launch's signature is the one place they are spelt.
     options = {name: value for name, value in locals().items() if name in OPTION_DEFAULTS}
-    return run(func, args, nprocs, options)
+    try:
+        return run(func, args, nprocs, options)
+    except MPLaunchError as err:
+        failure = err
+    raise from_here(failure)
+
+
+def from_here(failure: MPLaunchError) -> MPLaunchError:
+    """`failure` with no traceback of its own, for the public call to raise: the frames
+    of the engine that decided the outcome say nothing about it (the rank's own frames
+    are in its ``__cause__``), as pytest leaves its own frames out of a report. The
+    user's frames above the call, and the call's one line, are all Python then shows."""
+    return failure.with_traceback(None)
 
 
 def run(func: Callable[..., Any], args: Any, nprocs: Any, options: Mapping[str, Any],

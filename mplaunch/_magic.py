@@ -81,13 +81,14 @@ def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "Start, stop or look at the world that %%ranks cells run in. With no "
         "subcommand: its size, backend and the ranks' pids."))
     sub = line.add_subparsers(dest="command", parser_class=_Parser)
-    start = sub.add_parser("start", help="(re)start the world with NPROCS ranks")
+    start = sub.add_parser("start", help="(re)start the world with NPROCS ranks (on "
+                                         "each node)")
     start.add_argument("nprocs", nargs="?", type=int, default=None,
-                       help=f"number of ranks (default: the last size, else "
-                            f"{DEFAULT_NPROCS})")
+                       help=f"number of ranks, on each node with --nodes (default: the "
+                            f"last size, else {DEFAULT_NPROCS})")
     start.add_argument("--nodes", type=int, default=None, metavar="M",
-                       help="spread the ranks over M nodes of this SLURM allocation "
-                            "(NPROCS counts every rank; default 1)")
+                       help="run NPROCS ranks on each of M nodes of this SLURM "
+                            "allocation, NPROCS * M in all (default 1)")
     start.add_argument("--master-addr", default=None,
                        help="with --nodes: this machine's address that the nodes reach "
                             "(default: its host name's)")
@@ -200,8 +201,8 @@ class _Ranks:
 
     def status(self) -> str:
         s = self.settings
-        nodes = f" on {s['nnodes']} nodes" if s.get("nnodes", 1) > 1 else ""
-        what = f"{s['nprocs']} ranks{nodes}, backend {s['backend'] or 'none'}"
+        what = (f"{_ranks(s['nprocs'], s.get('nnodes') or 1)}, backend "
+                f"{s['backend'] or 'none'}")
         if self.world is not None and self.world.pids:
             from ._placement_flags import placement_lines
             fresh = self.world.fresh_ranks   # replaced: their names are gone
@@ -330,12 +331,12 @@ class _Ranks:
         s = dict(self.settings)
         nprocs, backend = s.pop("nprocs"), s.pop("backend")
         world = World(nprocs, backend=backend, **s)
+        world._send_hint = "To send the notebook's value: %ranks push {name}"
         world.start()
         self.world, self.torn_down = world, None
-        nodes = (f" on {world.nnodes} nodes ("
-                 f"{', '.join(n['name'] for n in world.nodes)})" if world.nnodes > 1 else "")
-        print(f"%ranks: {verb} {nprocs} ranks{nodes}, backend {backend or 'none'}: pids "
-              f"{world.pids}")
+        names = [n["name"] for n in world.nodes]
+        print(f"%ranks: {verb} {_ranks(world.nprocs, world.nnodes, names)}, backend "
+              f"{backend or 'none'}: pids {world.pids}")
 
     def _run(self, func, args: tuple, timeout: Optional[float], cell: bool = False):
         __tracebackhide__ = True  # noqa: F841
@@ -354,7 +355,16 @@ class _Ranks:
             self.torn_down = _why(failure)
         # Out of the except block, so that it carries no __context__ of ours. The error
         # below says why, and whether the world was kept.
-        raise _shown(failure, world.nprocs, cell, bool(world.pids))
+        raise _shown(failure, world.size, cell, bool(world.pids), world.nnodes > 1)
+
+
+def _ranks(nprocs: int, nnodes: int, names=()) -> str:
+    """'2 ranks'; across nodes, the total and how many on each node (NPROCS counts one
+    node's): '4 ranks on 2 nodes (n1, n2), 2 on each'."""
+    if nnodes == 1:
+        return f"{nprocs} ranks"
+    named = f" ({', '.join(names)})" if names else ""
+    return f"{nprocs * nnodes} ranks on {nnodes} nodes{named}, {nprocs} on each"
 
 
 def _why(err: BaseException) -> str:
@@ -367,21 +377,25 @@ def _why(err: BaseException) -> str:
     return type(err).__name__
 
 
-def _shown(err: BaseException, nprocs: int, cell: bool, kept=False) -> BaseException:
+def _shown(err: BaseException, size: int, cell: bool, kept=False,
+           nodes=False) -> BaseException:
     """What the notebook shows for a failed run, without mplaunch's frames.
 
     A rank's exception raised by the cell's code is shown itself, as a failing cell
     would show it: its type, its frames in the cell's lines, and a note naming the rank
-    and saying the world is gone. Anything else (a rank killed by a signal, a timeout,
-    an interrupt) is the WorkerError, LaunchTimeout or MainProcessError as launch raises
-    it."""
+    (across `nodes`, its node too, as ``%ranks`` shows it) and saying whether the world
+    was kept. Anything else (a rank killed by a signal, a timeout, an interrupt) is the
+    WorkerError, LaunchTimeout or MainProcessError as launch raises it."""
     after = ((getattr(err, "healed", None) or "the world was kept") if kept else
-             f"the world's {nprocs} ranks were torn down; the next %%ranks cell starts "
+             f"the world's {size} ranks were torn down; the next %%ranks cell starts "
              "fresh ones")
     cause = err.__cause__
     if cell and type(err) is WorkerError and isinstance(cause, Exception):
         others = len(err.failures) - 1
-        note = (f"%%ranks: rank {err.rank} (pid {err.pid}) raised this"
+        first = err.first
+        where = (f"on node {first.node_rank} ({first.hostname}, pid {first.pid})"
+                 if nodes else f"(pid {first.pid})")
+        note = (f"%%ranks: rank {err.rank} {where} raised this"
                 + (f"; {others} more rank(s) failed after it" if others else "")
                 + f"; {after}.")
         cause.__notes__ = [*getattr(cause, "__notes__", ()), note]

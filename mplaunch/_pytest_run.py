@@ -76,8 +76,14 @@ def run_test(pyfuncitem, opts: dict) -> bool:
     if failure is not None:
         # Raised outside the except block, so the rank's own exception chain is shown
         # as it was, not as "during handling of WorkerError".
-        raise _outcome_for(failure, opts["nprocs"], pyfuncitem)
+        raise _outcome_for(failure, _size(opts), pyfuncitem)
     return True
+
+
+def _size(opts: dict):
+    """How many ranks the test ran in: nprocs is per node, as for launch and World."""
+    nprocs, nnodes = opts["nprocs"], opts.get("nnodes") or 1
+    return nprocs * nnodes if isinstance(nprocs, int) and nnodes > 1 else nprocs
 
 
 class _ReusedWorld:
@@ -191,7 +197,7 @@ _OUTCOMES = {"skip": pytest.skip.Exception, "xfail": pytest.xfail.Exception,
              "fail": pytest.fail.Exception}
 
 
-def _outcome_for(err: WorkerError, nprocs: int, item) -> BaseException:
+def _outcome_for(err: WorkerError, size: int, item) -> BaseException:
     """What the test raises for a failed launch: the first failing rank's own exception
     (or its pytest outcome), noted with the rank. The first decides because the other
     failures are usually its consequences: peers whose collective broke when it left."""
@@ -201,7 +207,7 @@ def _outcome_for(err: WorkerError, nprocs: int, item) -> BaseException:
     cause = err.__cause__
     if cause is None:
         return _at_test(err, item)  # a crash, a signal: the message says it all
-    where = f"rank {first.rank} of {nprocs}"
+    where = f"rank {first.rank} of {size}"
     if first.pid is not None:
         where += f" (pid {first.pid})"
     others = [f.describe() for f in err.failures[1:]]

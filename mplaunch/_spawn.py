@@ -6,7 +6,9 @@ from typing import Any, Callable, List, Optional
 
 from ._engine.config import check_call
 from ._handle import Handle, start
+from ._launch import from_here
 from ._rank.calls import with_local_rank
+from .errors import MPLaunchError
 
 
 class SpawnContext:
@@ -38,8 +40,13 @@ class SpawnContext:
         teardown after a failure already waits the launch's ``grace_period``."""
         if not self.handle.wait(timeout):
             return False
-        self.handle.result()   # raises the first failure
-        return True
+        try:
+            self.handle.result()   # raises the first failure
+        except MPLaunchError as err:
+            failure = err
+        else:
+            return True
+        raise from_here(failure)
 
     def __repr__(self) -> str:
         return f"<mplaunch.SpawnContext {self.handle!r}>"
@@ -72,5 +79,10 @@ def spawn(fn: Callable[..., Any], args: Any = (), nprocs: int = 1, join: bool = 
     context = SpawnContext(handle)
     if not join:
         return context
-    context.join()
-    return None
+    try:
+        context.join()
+    except MPLaunchError as err:
+        failure = err
+    else:
+        return None
+    raise from_here(failure)

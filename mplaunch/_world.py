@@ -9,7 +9,10 @@ it and comes back once, with the results or the error to raise.
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
+import types
+import warnings
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVar
 
 import dataclasses
@@ -17,9 +20,12 @@ import socket
 
 from ._engine.config import (DEFAULT_PREFIX, LaunchConfig, check_call,
                              placement_args, seconds, validate)
+from ._engine.modwatch import ModuleWatch
 from ._engine.serving import NodesPlan, RankCalls, Serving
-from ._rank import heal, procgroup
+from ._rank import heal, procgroup, reloads
+from ._launch import from_here
 from ._wire.payload import dumps_payload
+from .errors import MPLaunchError
 
 T = TypeVar("T")
 # mplaunch's own calls in the ranks, sent by reference to the rank's side
@@ -38,6 +44,11 @@ class World:
     processes, their module globals, :func:`mplaunch.rank_state` and (with
     ``backend=``) the process group stay for the next ``run``.
 
+    ``nnodes=M`` spans M nodes of this SLURM allocation (see :ref:`world-across-nodes`)
+    with ``nprocs`` ranks on each, as ``launch(nprocs=, nnodes=)`` counts them:
+    ``World(4, nnodes=2)`` has 8 ranks. ``size`` is the World's number of ranks,
+    ``nprocs`` the number on each node.
+
     Takes the keyword arguments of :func:`mplaunch.launch` (``timeout`` applies to each
     run), ``gpus=`` and ``cpus=`` included. The ranks start at the first ``run`` (or
     ``start()``); with ``backend`` each has called
@@ -53,6 +64,9 @@ class World:
     """
 
     __module__ = "mplaunch"
+    # What the warning about a name the ranks kept says to do to send this process's
+    # value instead (the %%ranks magic's world says `%ranks push NAME`).
+    _send_hint = "To send this process's value, pass it to run() as an argument."
 
     def __init__(self, nprocs: Any = None, backend: Optional[str] = None,
                  heal: bool = True, nnodes: Any = None, **options: Any):
@@ -86,6 +100,8 @@ class World:
         # order they come, and two callers would take each other's (and register the
         # same fds twice with the selector). A second thread's run() waits its turn.
         self._lock = threading.RLock()
+        self._modules = ModuleWatch()
+        self._told: Set[str] = set()   # the names a kept-value warning was given for
         _open.add(self)
 
     # -- public ----------------------------------------------------------------------
@@ -103,11 +119,18 @@ class World:
 
     @property
     def nprocs(self) -> int:
-        """How many ranks the World has, on every node."""
+        """How many ranks each node runs (one node: all of them); see ``size``."""
+        return self.cfg.nprocs
+
+    @property
+    def size(self) -> int:
+        """How many ranks the World has, on all its nodes: ``nprocs * nnodes``, the
+        ranks' ``WORLD_SIZE`` and the length of what ``run`` returns."""
         return self.cfg.world_size
 
     @property
     def nnodes(self) -> int:
+        """How many nodes the World spans (1 unless made with ``nnodes=``)."""
         return self.cfg.nnodes
 
     @property
@@ -142,7 +165,12 @@ class World:
         ``launch`` does, after healing the world (``err.healed`` says what it kept) or
         tearing it down; an interrupt (SIGINT) raises :class:`KeyboardInterrupt` in the
         ranks and here, the world kept (:class:`~mplaunch.MainProcessError` with
-        ``heal=False``, or for SIGTERM, SIGHUP, SIGQUIT or a second SIGINT)."""
+        ``heal=False``, or for SIGTERM, SIGHUP, SIGQUIT or a second SIGINT).
+
+        ``func``'s globals from ``__main__`` take this process's values, but not over a
+        name the ranks' own code assigned (a warning names it, once; pass the value as
+        an argument instead); modules this process reloaded since the last run are
+        reloaded in the ranks first. See :ref:`world-globals`."""
         check_call(func, args, kwargs)
         # None: the world's own timeout; inf: none, for this call (the loop's deadline
         # is then never reached, and its waits are sliced).
@@ -150,14 +178,56 @@ class World:
             timeout = seconds("timeout", timeout, optional=True)
         payload = dumps_payload(func, args, kwargs or {})
         with self._lock:
+            was_up = self._engine.up
             self.start()
-            return self._engine.call(payload, timeout)
+            self._follow_reloads(was_up, timeout)
+            try:
+                try:
+                    return self._engine.call(payload, timeout)
+                finally:
+                    self._say_kept()
+            except MPLaunchError as err:
+                failure = err
+        raise from_here(failure)
+
+    def _follow_reloads(self, was_up: bool, timeout) -> None:
+        """Reload in the ranks, before the call, the modules this process reloaded
+        since the last run (_engine.modwatch): fresh ranks import them as they are."""
+        names = self._modules.reloaded()
+        if not (names and was_up):
+            return
+        answers = self._engine.call(dumps_payload(reloads.reload_modules, (names,), {}),
+                                    timeout)
+        failed: dict = {}
+        for answer in answers:
+            for name, why in answer.items():
+                failed.setdefault(name, why)
+        for name, why in failed.items():
+            warnings.warn(f"mplaunch.World: the ranks could not reload {name!r}, which "
+                          f"this process reloaded ({why}); they run the version they "
+                          "had", RuntimeWarning, stacklevel=_outside_mplaunch())
+
+    def _say_kept(self) -> None:
+        """Warn, once per name, where ranks kept their own value of a `__main__` name
+        over this process's (_wire.mainglobals)."""
+        for name, ranks in sorted(self._engine.take_kept_globals().items()):
+            if name in self._told:
+                continue
+            self._told.add(name)
+            who = ("the ranks" if len(ranks) >= self.nprocs else
+                   f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, sorted(ranks)))}")
+            warnings.warn(
+                f"mplaunch.World: {who} kept their own {name!r} (their code assigned it), "
+                f"not this process's {name!r}, which the function also names: a name "
+                f"the ranks assign is theirs from then on. "
+                f"{self._send_hint.format(name=name)}", UserWarning,
+                stacklevel=_outside_mplaunch())
 
     def restart(self, nnodes: Optional[int] = None,
                 nprocs: Optional[int] = None) -> "World":
         """End the ranks and start fresh ones. Across nodes, ``nnodes=M`` re-forms the
-        World on M nodes (with as many ranks per node, unless ``nprocs`` says how many
-        in all) in a new step: after a node was lost in an allocation made with
+        World on M nodes in a new step, with ``nprocs`` ranks on each (default: as many
+        as each node had): after a node was lost in an allocation made with
         ``--no-kill``, the nodes that remain (see :ref:`world-across-nodes`)."""
         with self._lock:
             self._engine.stop()
@@ -170,12 +240,10 @@ class World:
             raise ValueError("restart(nnodes=, nprocs=) re-forms a World across nodes; "
                              "make a new World to change a one-node World's size")
         backend, options, starter = self._made_with
-        total = nprocs if nprocs is not None else self.cfg.nprocs * nnodes
-        cfg, plan = _across_nodes(total, nnodes, backend, dict(options), starter)
-        self._engine.close_nodes()
+        per_node = nprocs if nprocs is not None else self.nprocs
+        cfg, plan = _across_nodes(per_node, nnodes, backend, dict(options), starter)
+        self._engine.reform(cfg, plan)
         self.cfg = cfg
-        self._engine = Serving(cfg, backend, self.heal, _CALLS, plan)
-        self._engine.fresh = list(range(cfg.world_size))   # every rank is new
 
     def close(self) -> None:
         """End every rank and release the store's port. Idempotent; from another thread
@@ -202,7 +270,8 @@ class World:
     def __repr__(self) -> str:
         state = ("closed" if self._closed else f"up, pids {self.pids}" if self._engine.up
                  else "not started")
-        nodes = f" nnodes={self.nnodes}" if self.nnodes > 1 else ""
+        nodes = (f" nnodes={self.nnodes} ({self.size} ranks)" if self.nnodes > 1
+                 else "")
         return (f"<mplaunch.World nprocs={self.nprocs}{nodes} backend={self.backend!r} "
                 f"{state}>")
 
@@ -210,9 +279,24 @@ class World:
 NODES_PREFIX = "[{host} rank{rank}]: "
 
 
+def _outside_mplaunch() -> int:
+    """The stacklevel of a warning given in a World's method: the first frame of the
+    user's code, past mplaunch's own and, for a ``%ranks`` magic, IPython's that ran it
+    (the warning then shows the cell's line)."""
+    level = 1
+    frame: Optional[types.FrameType] = sys._getframe(1)
+    while frame is not None and \
+            frame.f_globals.get("__name__", "").partition(".")[0] in _NOT_USERS:
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+_NOT_USERS = ("mplaunch", "IPython")
+
+
 def _across_nodes(nprocs, nnodes, backend, options, starter):
-    """The configuration of a World whose `nprocs` ranks are split evenly over `nnodes`
-    nodes of this SLURM allocation, checked before anything starts."""
+    """The configuration of a World of `nprocs` ranks on each of `nnodes` nodes of this
+    SLURM allocation, checked before anything starts."""
     from ._engine import nodestep
     if not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1:
         raise ValueError(f"nnodes must be an int >= 1 (the nodes of this allocation the "
@@ -220,12 +304,12 @@ def _across_nodes(nprocs, nnodes, backend, options, starter):
     for name in ("node_rank", "nnodes"):
         if options.get(name) is not None:
             raise TypeError(f"World(nnodes=...) places its nodes itself; leave {name} out")
-    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < nnodes \
-            or nprocs % nnodes:
-        raise ValueError(
-            f"World(nprocs={nprocs!r}, nnodes={nnodes}): nprocs counts every rank of the "
-            f"World, and each node runs nprocs // nnodes of them; give a multiple of "
-            f"{nnodes}, such as nprocs={2 * nnodes}")
+    if nprocs is not None and (not isinstance(nprocs, int) or isinstance(nprocs, bool)
+                               or nprocs < 1):
+        # 'auto' too: it would count this machine's GPUs or CPUs, not each node's.
+        raise ValueError(f"World(nprocs={nprocs!r}, nnodes={nnodes}): nprocs is the number "
+                         f"of ranks on each node, an int >= 1 (World(2, nnodes={nnodes}) "
+                         f"has {2 * nnodes} ranks), or None: one per entry of gpus=, else 1")
     if options.get("start_method") == "fork":
         raise ValueError("start_method='fork' cannot start ranks on other nodes; each "
                          "node's agent starts its ranks with 'forkserver' (the default) "
@@ -237,7 +321,7 @@ def _across_nodes(nprocs, nnodes, backend, options, starter):
     address = options.pop("master_addr", None) or _this_host_address()
     if options.get("prefix", DEFAULT_PREFIX) == DEFAULT_PREFIX:
         options["prefix"] = NODES_PREFIX
-    cfg = validate(procgroup.setup, (backend,), nprocs // nnodes,
+    cfg = validate(procgroup.setup, (backend,), nprocs,
                    dict(options, backend=backend, stdin_rank=None, master_addr=address))
     cfg = dataclasses.replace(cfg, nnodes=nnodes, node_rank=0)
     gpus, cpus = placement_args(options.get("gpus"), options.get("cpus"))

@@ -47,7 +47,8 @@ class RankFailure:
     raised none); ``traceback`` is the worker's formatted traceback text, and
     ``location`` where in the user's code it raised ("train.py:7 in train");
     ``stderr_tail`` the last lines the rank wrote to stderr; ``attempt`` the restart
-    attempt (0 for the first run); ``timestamp`` when the failure was observed
+    attempt of a launch with ``max_restarts`` (0 for the first run, and always for a
+    :class:`~mplaunch.World`'s ranks, whose calls are never tried again); ``timestamp`` when the failure was observed
     (``time.time()`` in the worker when it raised, else in the parent); ``max_rss`` the
     rank's peak resident memory in bytes, once its process was reaped (None while it
     was not, or for a failure of no process). For a rank killed by a signal,

@@ -49,6 +49,11 @@ ranks' process group unusable (destroyed, or a different number of collectives i
 in different ranks) ends it too, so the next test starts fresh ranks. Before
 each test a reused rank gets back its environment variables, working directory and
 random number generators' states as they were at its first test.
+
+``nnodes=M`` (with ``reuse=True``), or ``MPLAUNCH_TEST_NNODES=M`` in the environment for
+every reuse test, runs the World across M nodes of the SLURM allocation the session
+runs in, with ``nprocs`` ranks on each node (``nprocs * M`` in all), as ``launch`` and
+:class:`mplaunch.World` count them.
 """
 from __future__ import annotations
 
@@ -67,7 +72,9 @@ _MARKER_HELP = (
     "mplaunch(nprocs=2, timeout=None, backend='gloo', reuse=False, **launch_kwargs): run "
     "the test body in nprocs ranks with torch.distributed initialised (backend=None: "
     "not); nprocs=[1, 2, 4]: once per size; reuse=True: in ranks kept up for the next "
-    "test of the same options; the other keywords (gpus=, cpus=, ...) go to "
+    "test of the same options (with nnodes=M, or MPLAUNCH_TEST_NNODES=M: across M nodes "
+    "of the SLURM allocation, nprocs ranks on each); the other keywords (gpus=, cpus=, "
+    "...) go to "
     "mplaunch.launch; a test needing more GPUs than the machine has is skipped")
 
 # Ranks unpickle the test with pytest already imported in the warm server: without it

@@ -364,15 +364,26 @@ class SlurmCluster:
         r = self._quiet(["squeue", "-h", "-o", "%A"])
         return r.stdout.split() if r.returncode == 0 else []
 
-    def job_processes(self) -> List[Tuple[int, str]]:
+    def job_processes(self, step_wait: float = 10.0) -> List[Tuple[int, str]]:
         """``(pid, name)`` of every live slurmstepd, srun and job task of this
         cluster (see :func:`_cluster_processes`), not counting the daemons
         nor the calling process.  Empty once all jobs are over; a test can use
         it to prove that the code under test left nothing running on the
         "nodes".
+
+        A job task or an srun is reported at once.  A slurmstepd alone is
+        SLURM's, not the code under test's, and it may still be finishing its
+        step (accounting, the step's epilog) for a moment after srun returned:
+        it is waited for, up to ``step_wait`` seconds, before it counts.
         """
         own = list(self.pids.values())
-        return _cluster_processes((), self.run_dir, self.marker, exclude=own)
+        end = time.monotonic() + step_wait
+        while True:
+            found = _cluster_processes((), self.run_dir, self.marker, exclude=own)
+            if not found or any(name != "slurmstepd" for _, name in found) \
+                    or time.monotonic() >= end:
+                return found
+            time.sleep(0.05)
 
     def logs(self, tail: int = 60) -> str:
         """The last ``tail`` lines of every daemon log and stdout, for error messages."""

@@ -75,8 +75,23 @@ def test_more_ranks_than_gpus_is_refused_with_the_counts():
     with pytest.raises(ValueError, match=r"backend='nccl'.*5 ranks, but this process "
                                          r"sees 4 GPUs \(as the driver lists them\)"):
         dv.place(5, None, None, "nccl", {}, [0], driver=four)
-    with pytest.raises(ValueError, match="2 ranks, but this process sees 0 GPUs"):
+    with pytest.raises(ValueError, match="no GPU is visible .* to run the 2 ranks on CPU"):
         dv.place(2, None, None, "cpu:gloo,cuda:nccl", {}, [0], driver=no_driver)
+
+
+def test_no_visible_gpu_names_gloo_not_a_smaller_nprocs():
+    # "use nprocs=0 or fewer" sent readers to a value that is refused too.
+    cases = [((2, None, None, "nccl"), "use backend='gloo'"),
+             ((2, "per-rank", None, None), "use backend='gloo' and leave gpus out"),
+             ((2, (1, 0), None, "nccl"), "use backend='gloo' and leave gpus out")]
+    for args, advice in cases:
+        for env, shown in (({}, "process; "),
+                           ({"CUDA_VISIBLE_DEVICES": ""}, "(CUDA_VISIBLE_DEVICES='')")):
+            with pytest.raises(ValueError) as info:
+                dv.place(*args, env, [0], driver=no_driver)
+            msg = str(info.value)
+            assert "no GPU is visible to this process" in msg and shown in msg
+            assert msg.endswith(advice) and "nprocs=0" not in msg
 
 
 def test_without_nvml_or_proc_the_environment_is_the_count():

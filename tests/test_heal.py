@@ -376,6 +376,7 @@ def agree():
 
 
 @pytest.mark.notebook
+@pytest.mark.timeout(480)   # nine cells; one that hangs fails by name after CELL_TIMEOUT
 def test_a_notebook_keeps_its_ddp_model_through_a_typo_an_interrupt_and_a_dead_rank(
         kernel_config, tmp_path):
     from test_notebook import _errors, _stream, run_cells

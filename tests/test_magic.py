@@ -183,6 +183,7 @@ def test_ranks_magic_in_a_kernel(kernel_config, tmp_path):
     assert "[rank1]: not reached" not in _stream(cells["fail"])
     err = _stream(cells["fail"], "stderr")
     assert "[rank1]:     y = 1 / (x - 10)" in err.splitlines(), err
+    assert "mplaunch/_" not in err, err  # the relayed traceback starts at the cell too
 
     # The next cell runs in the same ranks, with the old names.
     out = _stream(cells["fresh"]).splitlines()

@@ -88,6 +88,20 @@ def test_slurm_layout_is_read_from_srun_variables():
     assert first_host("x[3]") == "x3"
 
 
+def task_pid():
+    return os.environ.get("SLURM_TASK_PID"), os.getpid()
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn", "fork"])
+def test_in_a_slurm_step_each_rank_has_its_own_slurm_task_pid(monkeypatch, start_method):
+    # srun gives each task its own pid there; a rank is a task of its own (as its
+    # SLURM_PROCID says), not the launching process whose environment it copies.
+    monkeypatch.setenv("SLURM_TASK_PID", str(os.getpid()))
+    got = mplaunch.launch(task_pid, nprocs=2, start_method=start_method)
+    assert [t for t, _ in got] == [str(pid) for _, pid in got], got
+    assert str(os.getpid()) not in [t for t, _ in got]
+
+
 def test_nnodes_needs_a_master_port():
     with pytest.raises(ValueError, match="master_port"):
         mplaunch.launch(print, nprocs=1, nnodes=2, node_rank=0)

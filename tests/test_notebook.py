@@ -30,6 +30,7 @@ pytest.importorskip("nbclient")  # the notebook tests need the [test] extra
 import nbformat  # noqa: E402
 from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
 from nbclient import NotebookClient  # noqa: E402
+from nbclient.exceptions import CellTimeoutError, DeadKernelError  # noqa: E402
 from nbformat.v4 import new_code_cell, new_notebook  # noqa: E402
 from traitlets.config import Config  # noqa: E402
 
@@ -39,7 +40,9 @@ pytestmark = pytest.mark.notebook
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "examples", "notebook.ipynb")
-CELL_TIMEOUT = 180
+# Below pytest's 180 s: a cell that hangs fails as itself (run_cells names it), not as
+# the whole test's timeout.
+CELL_TIMEOUT = 100
 STARTUP_TIMEOUT = 120
 GONE_TIMEOUT = 60.0
 
@@ -201,6 +204,21 @@ async def _interrupt_when_started(client, pidfile, tree: KernelTree) -> list:
         await client.km.interrupt_kernel()
 
 
+def _tree_now(client, tree: KernelTree) -> str:
+    """The processes seen below the kernel, with their state now."""
+    try:
+        tree.snapshot(client)
+    except psutil.Error:
+        pass
+    out = []
+    for p in tree.procs.values():
+        try:
+            out.append(f"{p.pid} {p.status()} {' '.join(p.cmdline())[:60]!r}")
+        except psutil.Error:
+            out.append(f"{p.pid} gone")
+    return "; ".join(out)
+
+
 def run_cells(sources: dict, config, cwd, failing=(), interrupt=None) -> dict:
     """Run one notebook of these cells ({id: source}) in a real kernel, in order, and
     return them by id once every process below the kernel is gone. The `failing` cells
@@ -216,16 +234,26 @@ def run_cells(sources: dict, config, cwd, failing=(), interrupt=None) -> dict:
     async def scenario():
         async with client.async_setup_kernel():
             for i, cell in enumerate(nb.cells):
+                waiter = None
                 if interrupt is not None and cell.id == interrupt[0]:
                     waiter = asyncio.ensure_future(
                         _interrupt_when_started(client, interrupt[1], tree))
-                    try:
-                        await client.async_execute_cell(cell, i)
-                    finally:
-                        if not waiter.done():
-                            waiter.cancel()
-                else:
+                try:
                     await client.async_execute_cell(cell, i)
+                except (CellTimeoutError, DeadKernelError) as exc:
+                    # Say which cell stopped, and how, before the test's own timeout
+                    # would end the session's view of it with a bare traceback.
+                    alive = await client.km.is_alive()
+                    raise AssertionError(
+                        f"cell {cell.id!r} (#{i}) did not complete: "
+                        f"{type(exc).__name__}: {str(exc)[:300]}; the kernel is "
+                        f"{'alive' if alive else 'dead'}; its processes: "
+                        f"{_tree_now(client, tree)}; outputs so far: "
+                        f"{[o.get('text', o.get('evalue')) for o in cell.outputs]}"
+                    ) from exc
+                finally:
+                    if waiter is not None and not waiter.done():
+                        waiter.cancel()
                 tree.snapshot(client)
 
     try:

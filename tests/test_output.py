@@ -350,6 +350,38 @@ def test_progress_bar_of_a_rank_that_dies_mid_bar_is_still_shown():
     assert sink.getvalue().split("\r")[-1] == "[r]:  20%\n"
 
 
+def test_a_bar_after_a_worlds_call_ended_is_drawn_where_the_next_call_relays():
+    # A World's relay leaves its screen when a call ends; the next call's bar found none
+    # and stopped the run with an AttributeError in the monitor loop.
+    first, second = io.StringIO(), io.StringIO()
+    relay = StreamRelay(first, "[r]: ")
+    relay.feed(b"call 1\n")
+    relay.end_line()
+    relay.retarget(second)
+    relay.feed(b"\r 10%\r 20%")
+    relay.feed(b"\r 30%\n")
+    relay.close()
+    assert first.getvalue() == "[r]: call 1\n"
+    assert second.getvalue() == "[r]:  20%\r[r]:  30%\n"
+
+
+def draw_a_bar():
+    for i in range(3):
+        sys.stdout.write(f"\rstep {i}")
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def test_a_world_started_before_its_runs_relays_their_bars(capsys):
+    with mplaunch.World(nprocs=2) as world:
+        world.start()
+        assert world.run(draw_a_bar) == [None, None]
+        assert world.run(draw_a_bar) == [None, None]
+    out = capsys.readouterr().out
+    for rank in (0, 1):
+        assert out.count(f"[rank{rank}]: step 2\n") == 2, out
+
+
 # -- options ----------------------------------------------------------------------------
 
 def say_hello():

@@ -121,3 +121,65 @@ def test_cloudpickle_itself_is_left_as_its_release_makes_it():
     expected = reduce(ns["outer"].__code__)[1]
     theirs = pickle.loads(cloudpickle.dumps(ns["outer"])).__code__.co_filename
     assert theirs in expected   # whatever this release writes, and nothing of ours
+
+
+SUBMODULE_USERS = textwrap.dedent("""
+    import concurrent, email, json, xml, os.path
+    import xml.dom.minidom
+
+    def attr_path():
+        return concurrent.futures.ThreadPoolExecutor, xml.dom.minidom.parseString
+
+    def nested_names():
+        return email.mime.text, json.decoder, os.path.join
+
+    def nothing_below():
+        return json.dumps
+""")
+
+
+def _installed_search():
+    """cloudpickle's submodule search as mplaunch wrapped it, in whichever module of the
+    installed cloudpickle builds a function's state (cloudpickle_fast before 3.0)."""
+    for name in ("cloudpickle.cloudpickle", "cloudpickle.cloudpickle_fast"):
+        getstate = getattr(sys.modules.get(name), "_function_getstate", None)
+        if getstate is not None:
+            search = getstate.__globals__["_find_imported_submodules"]
+            assert search._mplaunch
+            return search
+    raise AssertionError("this cloudpickle has no _function_getstate")
+
+
+def _search_original(code, deps):
+    return _installed_search().__defaults__[0](code, deps)
+
+
+@pytest.mark.parametrize("name", ["attr_path", "nested_names", "nothing_below"])
+def test_the_submodule_search_finds_what_cloudpickles_own_finds(name):
+    import concurrent.futures  # noqa: F401 - imported, so both searches can find it
+    import email.mime.text  # noqa: F401
+    ns = _defined_in("/some/notebook/cell.py")
+    exec(compile(SUBMODULE_USERS, "/some/notebook/cell.py", "exec"), ns)
+    func = ns[name]
+    deps = [v for k, v in ns.items() if isinstance(v, types.ModuleType)]
+    ours = sorted(m.__name__ for m in pickler._submodules(func.__code__, deps))
+    theirs = sorted(m.__name__ for m in _search_original(func.__code__, deps))
+    assert ours == theirs
+    if name != "nothing_below":
+        assert ours        # the case is not vacuous
+    # and a function pickled by mplaunch loads with those submodules imported
+    assert pickle.loads(pickler.dumps(func))() == func()
+
+
+def test_cloudpickle_outside_mplaunch_keeps_its_own_submodule_search(monkeypatch):
+    calls = []
+    search = _installed_search()
+    original = search.__defaults__[0]
+    monkeypatch.setattr(search, "__defaults__",
+                        (lambda code, deps: calls.append(code) or original(code, deps),))
+    ns = _defined_in("/some/notebook/cell.py")
+    exec(compile(SUBMODULE_USERS, "/some/notebook/cell.py", "exec"), ns)
+    cloudpickle.dumps(ns["attr_path"])
+    assert calls == [ns["attr_path"].__code__]
+    pickler.dumps(ns["attr_path"])
+    assert len(calls) == 1      # mplaunch's own pickler did not use it

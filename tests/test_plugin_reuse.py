@@ -178,6 +178,37 @@ def test_a_test_that_spoils_the_process_group_ends_the_world(pytester):
     _assert_all_gone(_recorded_pids(out))
 
 
+def test_a_reused_test_sees_its_modules_globals_as_the_module_sets_them(pytester):
+    """A test's module globals are the module's in every rank, whatever the test before
+    it assigned there: as with fresh ranks, and without the warning a World gives for
+    a name its ranks assigned (the test function travels with its module by value, not
+    as a function of the ranks' `__main__`). filterwarnings = error would fail it."""
+    _inner_ini(pytester)
+    out = _write_tests(pytester, "test_globals", helpers=HELPERS, source="""
+    state = None               # a placeholder the first test assigns
+    seen = []                  # a list the first test appends to
+    reuse2 = pytest.mark.mplaunch(nprocs=2, reuse=True)
+
+    @reuse2
+    def test_assigns():
+        global state
+        assert state is None and seen == []
+        state = "from test_assigns"
+        seen.append(dist.get_rank())
+        record("assigns", identity())
+
+    @reuse2
+    def test_after():
+        assert state is None and seen == []
+        record("after", identity())
+    """)
+    result = _run(pytester)
+    result.assert_outcomes(passed=2)
+    assert len(_pids(out, "after")) == 2
+    assert _pids(out, "after") == _pids(out, "assigns")   # one world for both
+    _assert_all_gone(_recorded_pids(out))
+
+
 @pytest.mark.slow
 def test_a_hung_reused_test_times_out_and_the_next_gets_fresh_ranks(pytester):
     _inner_ini(pytester, mplaunch_reuse="true", mplaunch_timeout="6",

@@ -1,5 +1,5 @@
-"""A World across the nodes of a real SLURM allocation (mplaunch.World(nprocs=4,
-nnodes=2)): the throwaway two-node cluster of slurm_cluster (n1 and n2, both on
+"""A World across the nodes of a real SLURM allocation (mplaunch.World(nprocs=2,
+nnodes=2): 2 ranks on each node): the throwaway two-node cluster of slurm_cluster (n1 and n2, both on
 127.0.0.1, whose names do not resolve: master_addr is given), a script started by
 `salloc -N2` as a user would start one, and what SLURM itself says about the job's
 steps while the World is up and after it closed.
@@ -99,7 +99,8 @@ def world_nodes(cluster):
 def test_ranks_are_split_over_the_nodes_in_global_order(world_nodes):
     checks, out, _, _ = world_nodes
     start = checks["start"]
-    assert start["nprocs"] == 4 and start["nnodes"] == 2, out
+    assert (start["nprocs"], start["nnodes"], start["size"]) == (2, 2, 4), out
+    assert " nprocs=2 nnodes=2 (4 ranks) " in start["repr"], start["repr"]
     assert [(n["node"], n["name"]) for n in start["nodes"]] == [(0, "n1"), (1, "n2")]
     ranks = start["ranks"]
     assert [r["RANK"] for r in ranks] == ["0", "1", "2", "3"], out
@@ -118,6 +119,8 @@ def test_ranks_are_split_over_the_nodes_in_global_order(world_nodes):
     assert {r["SLURM_NTASKS"] for r in ranks} == {"4"}
     assert {r["SLURM_JOB_ID"] for r in ranks} == {start["job_id"]}
     assert {r["SLURM_STEP_ID"] for r in ranks} == {"0"}
+    # as srun gives each task: its own pid (not its node agent's)
+    assert [r["SLURM_TASK_PID"] for r in ranks] == [str(r["pid"]) for r in ranks], ranks
     assert {r["MASTER_ADDR"] for r in ranks} == {"127.0.0.1"}
     assert [r["pid"] for r in ranks] == [start["pids"][str(i)] for i in range(4)]
     assert [r["secret"] for r in ranks] == [[]] * 4, "the ranks see the World's secret"
@@ -268,7 +271,9 @@ def test_ddp_across_nodes_from_a_kernel_inside_the_allocation(cluster):
             assert not cell["errors"], (name, cell["errors"])
 
     start = cells["start"]["stdout"]
-    assert "%ranks: started 4 ranks on 2 nodes (n1, n2), backend gloo" in start, start
+    # NPROCS is per node, as for launch: `%ranks start 2 --nodes 2` is 4 ranks
+    assert "%ranks: started 4 ranks on 2 nodes (n1, n2), 2 on each, backend gloo" in start, \
+        start
     [[step, name]] = steps["start"]
     assert step.endswith(".0") and name == "mplaunch-world", steps
     lines = sorted(cells["model"]["stdout"].splitlines())
@@ -286,6 +291,9 @@ def test_ddp_across_nodes_from_a_kernel_inside_the_allocation(cluster):
     [fails] = cells["fails"]["errors"]
     assert "ValueError: rank 3 on n2 says no" in fails, fails
     assert "the world was kept" in fails, fails
+    # the note names the rank's node, as %ranks does
+    assert re.search(r"^%%ranks: rank 3 on node 1 \(n2, pid \d+\) raised this; the world "
+                     r"was kept", fails, re.M), fails
     assert sorted(cells["fails"]["stdout"].splitlines()) == [
         "[n1 rank0]: fine 0", "[n1 rank1]: fine 1", "[n2 rank2]: fine 2"]
     assert "[n2 rank3]: ValueError: rank 3 on n2 says no" in cells["fails"]["stderr"]
@@ -305,7 +313,7 @@ def test_ddp_across_nodes_from_a_kernel_inside_the_allocation(cluster):
     assert steps["after"] == steps["start"]
 
     status = cells["status"]["stdout"]
-    assert status.startswith("4 ranks on 2 nodes, backend gloo: up"), status
+    assert status.startswith("4 ranks on 2 nodes, 2 on each, backend gloo: up"), status
     for rank, node in enumerate(["0 (n1", "0 (n1", "1 (n2", "1 (n2"]):
         assert f"rank {rank} on node {node}, pid " in status, status
     assert cells["stop"]["stdout"] == "%ranks: stopped 4 ranks\n"
@@ -335,6 +343,7 @@ def test_plugin_reuse_tests_share_one_world_across_the_nodes_through_a_failure(c
     assert "1 failed, 4 passed" in res.stdout, text
     assert "FAILED test_reuse_nodes.py::test_d_fails_on_node_1" in res.stdout, text
     assert "FAILS-IN-RANK-2 on n2" in res.stdout, text
+    assert "raised in rank 2 of 4 " in res.stdout, text    # nprocs=2 on each of 2 nodes
 
     def recorded(name):
         return {int(f.name.rsplit("rank", 1)[1]): tuple(f.read_text().split())

@@ -111,6 +111,15 @@ def test_results_by_rank_and_state_kept_between_runs():
     assert not gone(pids.values())
 
 
+def test_on_one_node_size_and_nprocs_are_the_same():
+    world = mplaunch.World(3)
+    try:
+        assert (world.nprocs, world.nnodes, world.size) == (3, 1, 3)
+        assert repr(world) == "<mplaunch.World nprocs=3 backend=None not started>"
+    finally:
+        world.close()
+
+
 def test_backend_means_the_group_exists_before_the_first_run_and_stays():
     with mplaunch.World(2, backend="gloo", timeout=60) as world:
         assert world.run(group_info) == [(True, 0, 2), (True, 1, 2)]
@@ -149,6 +158,25 @@ def test_failing_run_raises_tears_down_and_next_run_is_fresh(caplog):
         # The next run starts new processes, with new state.
         assert world.run(count_calls) == [1, 1]
         assert not set(world.pids.values()) & set(old.values())
+
+
+def test_a_worlds_errors_name_no_attempt_however_often_it_was_torn_down():
+    # launch's "[attempt N]" counts its restarts (max_restarts); a World tries no call
+    # again, so the fresh ranks after a teardown are no new attempt of anything.
+    with mplaunch.World(2, grace_period=1, heal=False) as world:
+        errors = []
+        for _ in range(2):
+            with pytest.raises(mplaunch.WorkerError) as info:
+                world.run(fail_in_rank_one)
+            errors.append(info.value)
+        world.restart()
+        with pytest.raises(mplaunch.LaunchTimeout) as info:
+            world.run(hang_in_rank_one, timeout=2)
+        errors.append(info.value)
+    for err in errors:
+        assert "[attempt" not in str(err), str(err)
+        assert {f.attempt for f in err.failures} == {0}
+        assert "earlier attempt" not in str(err) and err.previous_attempts == []
 
 
 def test_hang_with_timeout_raises_with_every_ranks_stack():
@@ -222,7 +250,8 @@ def test_close_is_idempotent_and_a_closed_world_refuses_to_run():
     # across nodes: checked before any step or agent starts
     ({"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": 29400},
      TypeError, "leave node_rank out"),
-    ({"nprocs": 3, "nnodes": 2}, ValueError, "multiple of 2"),
+    ({"nprocs": 0, "nnodes": 2}, ValueError, "ranks on each node"),
+    ({"nprocs": "auto", "nnodes": 2}, ValueError, "ranks on each node"),
     ({"nprocs": 4, "nnodes": 0}, ValueError, "nnodes must be an int >= 1"),
     ({"nprocs": 4, "nnodes": 2, "start_method": "fork"}, ValueError, "forkserver"),
     ({"nprocs": 4, "nnodes": 2}, RuntimeError, "not inside a SLURM allocation"),

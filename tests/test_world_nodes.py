@@ -1,9 +1,9 @@
-"""mplaunch.World(nprocs, nnodes=2) without SLURM: the agents are started by a stand-in
-step (tests/local_step.py), one per "node", on this machine or each in a network
-namespace of its own (tests/netns.py). Real processes and real gloo: the ranks' order
-and environment across the nodes, output relayed with each node's name, stacks, the
-heal cases, a close that leaves nothing on any node, and the per-World secret that
-keeps foreign clients out (mplaunch/_wire/auth.py)."""
+"""mplaunch.World(nprocs, nnodes=2), nprocs ranks on each node, without SLURM: the
+agents are started by a stand-in step (tests/local_step.py), one per "node", on this
+machine or each in a network namespace of its own (tests/netns.py). Real processes
+and real gloo: the ranks' order and environment across the nodes, output relayed with
+each node's name, stacks, the heal cases, a close that leaves nothing on any node, and
+the per-World secret that keeps foreign clients out (mplaunch/_wire/auth.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -44,7 +44,7 @@ def world(**options):
     options.setdefault("backend", "gloo")
     options.setdefault("master_addr", "127.0.0.1")
     options.setdefault("_starter", local_step.starter(wrap=named_nodes))
-    return mplaunch.World(4, nnodes=2, **options)
+    return mplaunch.World(2, nnodes=2, **options)   # 2 ranks on each node: 4
 
 
 def _wait_for(paths, timeout=60):
@@ -98,7 +98,8 @@ def count_calls():
 
 ENV_NAMES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE",
              "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID",
-             "SLURM_NTASKS", "MPLAUNCH_WORLD_SECRET", "MPLAUNCH_WORLD_ADDR")
+             "SLURM_NTASKS", "SLURM_TASK_PID", "MPLAUNCH_WORLD_SECRET",
+             "MPLAUNCH_WORLD_ADDR")
 
 
 def whoami():
@@ -181,6 +182,7 @@ def test_ranks_in_global_order_with_their_node_env_and_one_group_and_close_ends_
     # rank must see its own, on every node, not the launching process's task 0.
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_TASK_PID", str(os.getpid()))
     w = world()
     try:
         results = w.run(whoami)
@@ -194,6 +196,7 @@ def test_ranks_in_global_order_with_their_node_env_and_one_group_and_close_ends_
                 "GROUP_RANK": str(node), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
                 "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local),
                 "SLURM_NODEID": str(node), "SLURM_NTASKS": "4",
+                "SLURM_TASK_PID": str(pid),   # its own, not its agent's
                 # the agent's secret and address stay with the agent
                 "MPLAUNCH_WORLD_SECRET": None, "MPLAUNCH_WORLD_ADDR": None}, (rank, env)
             assert (grank, gsize) == (rank, 4)
@@ -286,6 +289,8 @@ def test_a_dead_remote_rank_is_replaced_on_its_node():
         assert err.rank == 3 and err.exitcode == 3, str(err)
         assert "node 1" in str(err), str(err)
         assert "replaced" in err.healed and "rebuilt" in err.healed, err.healed
+        # a pid means nothing without its node
+        assert f"(rank 3 on node 1 (node1), pid {w.pids[3]})" in err.healed, err.healed
         assert w.fresh_ranks == [3]
         assert w.pids[3] != pids[3]
         assert {r: w.pids[r] for r in range(3)} == {r: pids[r] for r in range(3)}
@@ -383,23 +388,65 @@ def test_a_killed_agent_names_its_node_and_the_next_run_starts_a_fresh_step():
         assert w.run(allreduce_sum) == [10.0] * 4
 
 
+def test_the_magic_across_nodes_counts_nprocs_per_node_and_notes_name_the_node(capsys):
+    # %ranks start N --nodes M runs N ranks on each node, as launch's nprocs; a failing
+    # cell's note, and what a heal says of a replaced rank, name the rank's node.
+    from mplaunch._magic import _Ranks
+    ranks = _Ranks(shell=None)
+    ranks.settings.update(nprocs=2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+                          grace_period=2, _starter=local_step.starter(wrap=named_nodes))
+    try:
+        ranks.magic("", "import os\nprint('size', os.environ['WORLD_SIZE'])")
+        out = capsys.readouterr().out
+        assert ("%ranks: started 4 ranks on 2 nodes (node0, node1), 2 on each, backend "
+                "gloo: pids {0: ") in out, out
+        assert out.count("size 4") == 4, out
+        pids = ranks.world.pids
+        with pytest.raises(ValueError) as info:
+            ranks.magic("", "import os\nif os.environ['RANK'] == '3':\n"
+                            "    raise ValueError('three')")
+        assert info.value.__notes__[-1].startswith(
+            f"%%ranks: rank 3 on node 1 (node1, pid {pids[3]}) raised this; the world "
+            "was kept"), info.value.__notes__
+        with pytest.raises(mplaunch.WorkerError) as info:
+            ranks.magic("", "import os\nif os.environ['RANK'] == '2':\n    os._exit(3)")
+        new = ranks.world.pids[2]
+        assert new != pids[2]
+        assert f"(rank 2 on node 1 (node1), pid {new})" in info.value.__notes__[-1], \
+            info.value.__notes__
+        capsys.readouterr()
+        ranks.magic("")
+        status = capsys.readouterr().out
+        assert status.startswith("4 ranks on 2 nodes, 2 on each, backend gloo: up"), status
+    finally:
+        ranks.stop(quiet=True)
+
+
 def test_restart_re_forms_the_world_on_fewer_nodes_then_more():
     # What the survivors of a --no-kill allocation do (docs/multinode.rst): a new step
     # of the nodes asked for, fresh ranks, as many per node unless nprocs says.
     with world() as w:
+        assert (w.nprocs, w.nnodes, w.size) == (2, 2, 4)
         assert w.run(allreduce_sum) == [10.0] * 4
         step, tree = _tree(w)
         w.restart(nnodes=1)
-        assert (w.nprocs, w.nnodes, len(w.nodes)) == (2, 1, 1)
+        assert (w.nprocs, w.nnodes, w.size, len(w.nodes)) == (2, 1, 2, 1)
         assert w.fresh_ranks == [0, 1]
         assert w.run(allreduce_sum) == [3.0, 3.0]
         assert _alive(tree) == [], "the first step's processes remain"
         assert _tree(w)[0] != step
-        w.restart(nnodes=2, nprocs=2)
-        assert (w.nprocs, w.nnodes) == (2, 2)
+        w.restart(nnodes=2, nprocs=1)
+        assert (w.nprocs, w.nnodes, w.size) == (1, 2, 2)
+        assert w.fresh_ranks == [0, 1]
         assert [e["NODE_RANK"] for e, *_ in w.run(whoami)] == ["0", "1"]
-    with world() as w, pytest.raises(ValueError, match="multiple of 2"):
-        w.restart(nnodes=2, nprocs=3)
+        w.restart(nnodes=2, nprocs=3)            # no longer has to split: 3 on each
+        assert (w.nprocs, w.nnodes, w.size) == (3, 2, 6)
+        assert w.fresh_ranks == list(range(6))
+        envs = [e for e, *_ in w.run(whoami)]
+        assert [(e["NODE_RANK"], e["LOCAL_RANK"]) for e in envs] == [
+            ("0", "0"), ("0", "1"), ("0", "2"), ("1", "0"), ("1", "1"), ("1", "2")]
+        assert {e["WORLD_SIZE"] for e in envs} == {"6"}
+        assert repr(w).startswith("<mplaunch.World nprocs=3 nnodes=2 (6 ranks) "), repr(w)
     with mplaunch.World(2) as one, pytest.raises(ValueError, match="across nodes"):
         one.restart(nnodes=2)
 
@@ -647,7 +694,7 @@ def test_nodes_in_network_namespaces_use_their_own_addresses(netns_hosts):
     root = netns_hosts.root_addr
     starter = local_step.starter(
         wrap=lambda i: hosts[i].argv(named_nodes(i)))
-    with mplaunch.World(4, nnodes=2, backend="gloo", master_addr=root, _starter=starter,
+    with mplaunch.World(2, nnodes=2, backend="gloo", master_addr=root, _starter=starter,
                         env={"GLOO_SOCKET_IFNAME": netns.IFNAME}, grace_period=2) as w:
         results = w.run(gloo_sockets)
         assert [r["rank"] for r in results] == [0, 1, 2, 3]
@@ -678,3 +725,59 @@ def test_nodes_in_network_namespaces_use_their_own_addresses(netns_hosts):
     # gone with the World's close, not killed by the fixture's teardown of the namespaces
     assert _alive(tree, timeout=0) == []
     assert not netns._pids_in({h.inode for h in hosts})
+
+
+# -- output nobody reads ------------------------------------------------------------------
+
+FLOOD = 1 << 30
+
+
+def flood_between_calls(progress_path):
+    """In rank 2 (node 1): a thread writes 1 GiB to stdout after the call returned, and
+    notes in `progress_path` how much the pipe has taken so far."""
+    if os.environ["RANK"] != "2":
+        return 0
+
+    def write():
+        chunk = b"x" * ((1 << 20) - 1) + b"\n"
+        fd = os.open(progress_path, os.O_WRONLY | os.O_CREAT)
+        done = 0
+        while done < FLOOD:
+            done += os.write(1, chunk)
+            os.pwrite(fd, f"{done:>12}".encode(), 0)
+        os.close(fd)
+    threading.Thread(target=write, daemon=True).start()
+    return 1
+
+
+def _progress(path) -> int:
+    try:
+        with open(path) as f:
+            return int(f.read() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def test_a_remote_rank_flooding_its_output_between_calls_is_slowed_not_buffered(
+        tmp_path, capfd):
+    # A rank on this node blocks on its pipe while no call reads it; one on another node
+    # is held the same way by its agent's output window, not buffered without bound in
+    # the launching process.
+    me = psutil.Process()
+    progress = tmp_path / "progress"
+    with world() as w:
+        w.run(int, (1,))
+        before = me.memory_info().rss
+        assert sum(w.run(flood_between_calls, (str(progress),))) == 1
+        last, still_since, end = -1, time.monotonic(), time.monotonic() + 30
+        while time.monotonic() < end:
+            now = _progress(progress)
+            if now != last:
+                last, still_since = now, time.monotonic()
+            elif time.monotonic() - still_since > 2.0:
+                break            # the writer is blocked
+            time.sleep(0.1)
+        grown = me.memory_info().rss - before
+        assert 0 < last < 128 << 20, f"{last >> 20} MiB went out of the rank unread"
+        assert grown < 96 << 20, f"the launching process grew {grown >> 20} MiB"
+    capfd.readouterr()   # what was relayed as the world closed

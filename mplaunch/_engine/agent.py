@@ -49,7 +49,7 @@ def node_name(environ=os.environ) -> str:
 
 
 class _Rank:
-    __slots__ = ("token", "pid", "reader", "out", "err", "stack")
+    __slots__ = ("token", "pid", "reader", "out", "err", "stack", "credit")
 
     def __init__(self, token: int):
         self.token = token
@@ -57,6 +57,8 @@ class _Rank:
         self.reader: Optional[FramedReader] = None
         self.out = self.err = None
         self.stack: Optional[socket.socket] = None
+        # bytes of each stream it may still send ahead (tunnel.OUTPUT_WINDOW)
+        self.credit = {"out": tunnel.OUTPUT_WINDOW, "err": tunnel.OUTPUT_WINDOW}
 
 
 class Agent:
@@ -150,10 +152,8 @@ class Agent:
             stack_child.close()
             linux.close_quiet(payload, out_w, err_w)
         self.sel.register(res_ours, selectors.EVENT_READ, lambda _s, r=r: self._from_rank(r))
-        self.sel.register(out_r, selectors.EVENT_READ,
-                          lambda _f, r=r: self._output(r, "out"))
-        self.sel.register(err_r, selectors.EVENT_READ,
-                          lambda _f, r=r: self._output(r, "err"))
+        for which in ("out", "err"):
+            self._watch_output(r, which)
         self.sel.register(stack_ours, selectors.EVENT_READ,
                           lambda _s, r=r: self._from_stack(r))
 
@@ -166,6 +166,25 @@ class Agent:
                                    [self.payloads[tuple(k)] for k in keys])
             except OSError:
                 pass    # the rank is gone: its exit says so
+
+    def _watch_output(self, r: _Rank, which: str) -> None:
+        try:
+            self.sel.register(getattr(r, which), selectors.EVENT_READ,
+                              lambda _f, r=r, w=which: self._output(r, w))
+        except KeyError:
+            pass    # watched already
+
+    def _credit(self, token, body) -> None:
+        """The launching process wrote on `n` bytes of a rank's stream: it may send as
+        many more, and its pipe is read again if it had been left alone."""
+        which, n = body
+        r = self.ranks.get(token)
+        if r is None or which not in r.credit or not isinstance(n, int) or n <= 0:
+            return
+        paused = r.credit[which] <= 0
+        r.credit[which] += n
+        if paused and r.credit[which] > 0 and getattr(r, which) is not None:
+            self._watch_output(r, which)
 
     def _to_stack(self, token, body) -> None:
         r = self.ranks.get(token)
@@ -211,7 +230,7 @@ class Agent:
             self._from_rank(r)
             for which in ("out", "err"):
                 while getattr(r, which) is not None and time.monotonic() < end:
-                    if not self._output(r, which, wait=0.1):
+                    if not self._output(r, which, wait=0.1, closing=True):
                         break
             self._forget(r)
         self.ranks.clear()
@@ -248,10 +267,19 @@ class Agent:
             except (KeyError, ValueError):
                 pass
 
-    def _output(self, r: _Rank, which: str, wait: float = 0.0) -> bool:
-        """Forward what the pipe holds; False once it is empty (or at EOF)."""
+    def _output(self, r: _Rank, which: str, wait: float = 0.0,
+                closing: bool = False) -> bool:
+        """Forward what the pipe holds; False once it is empty (or at EOF), or once the
+        stream's credit is spent (its pipe is then left alone until a CREDIT frame).
+        `closing`: the group's last output, sent whatever the credit."""
         fd = getattr(r, which)
         if fd is None:
+            return False
+        if r.credit[which] <= 0 and not closing:
+            try:
+                self.sel.unregister(fd)
+            except (KeyError, ValueError):
+                pass
             return False
         if wait:
             sel = selectors.DefaultSelector()
@@ -264,6 +292,13 @@ class Agent:
         if chunk is None:
             return False
         self._send(tunnel.OUT if which == "out" else tunnel.ERR, r.token, chunk)
+        r.credit[which] -= len(chunk)
+        if chunk and r.credit[which] <= 0 and not closing:
+            try:
+                self.sel.unregister(fd)   # until the launching process catches up
+            except (KeyError, ValueError):
+                pass
+            return False
         if chunk == b"":
             try:
                 self.sel.unregister(fd)
@@ -317,7 +352,8 @@ _FRONT = {
     tunnel.SIGNAL_GROUPS: lambda a, _t, body: a._signal("signal_groups", body),
     tunnel.SIGNAL_RANKS: lambda a, _t, body: a._signal("signal_ranks", body),
     tunnel.SWEEP: Agent._sweep, tunnel.CLOSE_GROUP: Agent._close_group,
-    tunnel.BYE: Agent._bye, tunnel.PAYLOAD: Agent._payload, tunnel.DROP: Agent._drop,
+    tunnel.BYE: Agent._bye, tunnel.CREDIT: Agent._credit, tunnel.PAYLOAD: Agent._payload,
+    tunnel.DROP: Agent._drop,
 }
 
 

@@ -197,13 +197,29 @@ def describe_visible(environ: Mapping[str, str], visible: Sequence[str]) -> str:
     return f"{n} GPU{'s' if n != 1 else ''} ({where})"
 
 
-def rank_gpus(gpus, nprocs: int, visible: Sequence[str], seen: str) -> Optional[List[str]]:
+def no_gpu_message(what: str, nprocs: int, environ: Mapping[str, str], instead: str) -> str:
+    """The refusal for GPU placement where no GPU is visible at all: "use nprocs=0 or
+    fewer" would send the reader to a value that is refused too, so name the CPU way."""
+    why = (f" (CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']!r})"
+           if "CUDA_VISIBLE_DEVICES" in environ else "")
+    return (f"{what}, but no GPU is visible to this process{why}; to run the {nprocs} "
+            f"rank{'s' if nprocs != 1 else ''} on CPU, {instead}")
+
+
+_LEAVE_GPUS_OUT = "use backend='gloo' and leave gpus out"
+
+
+def rank_gpus(gpus, nprocs: int, visible: Sequence[str], seen: str,
+              environ: Mapping[str, str]) -> Optional[List[str]]:
     """Each local rank's CUDA_VISIBLE_DEVICES under ``gpus=`` (None: leave it as it is).
     `seen` describes `visible` for the messages. Raises ValueError when the ranks
     outnumber the GPUs."""
     if gpus is None:
         return None
     if gpus == PER_RANK:
+        if not visible:
+            raise ValueError(no_gpu_message("gpus='per-rank' gives each rank a GPU of its "
+                                            "own", nprocs, environ, _LEAVE_GPUS_OUT))
         if nprocs > len(visible):
             raise ValueError(f"gpus='per-rank' gives each rank a GPU of its own: {nprocs} "
                              f"ranks, but this process sees {seen}; use nprocs="
@@ -212,13 +228,14 @@ def rank_gpus(gpus, nprocs: int, visible: Sequence[str], seen: str) -> Optional[
     if len(gpus) != nprocs:
         raise ValueError(f"gpus={list(gpus)} names {len(gpus)} GPUs, one per rank, but "
                          f"nprocs={nprocs}; leave nprocs out (it defaults to len(gpus))")
+    if not visible:
+        raise ValueError(no_gpu_message(f"gpus={list(gpus)} puts each rank on a GPU",
+                                        nprocs, environ, _LEAVE_GPUS_OUT))
     past = [i for i in gpus if i >= len(visible)]
     if past:
         raise ValueError(f"gpus={list(gpus)}: {nprocs} ranks, but this process sees "
                          f"{seen}, so position {past[0]} is past the end; the entries "
-                         f"are positions 0-{len(visible) - 1} in the visible list"
-                         if visible else
-                         f"gpus={list(gpus)}: {nprocs} ranks, but this process sees {seen}")
+                         f"are positions 0-{len(visible) - 1} in the visible list")
     return [visible[i] for i in gpus]
 
 
@@ -342,7 +359,11 @@ def place(nprocs: int, gpus, cpus, backend: Optional[str], environ: Mapping[str,
         listed = driver()
         visible = visible_gpus(environ, listed)
         seen = describe_visible(environ, visible)
-        per_rank = rank_gpus(gpus, nprocs, visible, seen)
+        per_rank = rank_gpus(gpus, nprocs, visible, seen, environ)
+        if per_rank is None and not visible:
+            raise ValueError(no_gpu_message(f"backend={backend!r} puts each rank on a GPU of "
+                                            f"its own", nprocs, environ,
+                                            "use backend='gloo'"))
         if per_rank is None and nprocs > len(visible):
             raise ValueError(f"backend={backend!r} puts each rank on a GPU of its own: "
                              f"{nprocs} ranks, but this process sees {seen}; use nprocs="

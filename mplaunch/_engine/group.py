@@ -9,6 +9,7 @@ from ``ranks`` and ``failures``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -25,7 +26,7 @@ from .output import StreamRelay, read_pipe
 from .ranks import RankState, drain_outputs
 from .signals import Waker
 from .._wire.channel import send_framed
-from .._wire.messages import CALL_TAG, RESULT_TAG, Raised, Returned
+from .._wire.messages import CALL_TAG, RESULT_TAG, KeptGlobals, Raised, Returned
 from .._wire.payload import loads_result
 from .._wire.spec import RankSpec
 from ..errors import RankFailure
@@ -54,7 +55,8 @@ class RankGroup:
     def __init__(self, cfg: LaunchConfig, specs: Sequence[RankSpec], payload_fd: int,
                  attempt: int, waker: Waker, make_spawner=None):
         self.cfg = cfg
-        self.attempt = attempt
+        # log_dir's attempt_<n>; its failures' "[attempt N]": none in a World (no retries)
+        self.number, self.attempt = attempt, 0 if any(s.serve for s in specs) else attempt
         self.payload_fd = payload_fd
         self._specs = list(specs)
         self.ranks: List[RankState] = [RankState(s) for s in specs]
@@ -119,7 +121,7 @@ class RankGroup:
     def _start_one(self, r: RankState, payload_fd: Optional[int] = None) -> None:
         if self._by_rank_logs:
             r.log_name = str(r.spec.rank)
-        child_fds = r.open(self.cfg, self.attempt,
+        child_fds = r.open(self.cfg, self.number,
                            self.payload_fd if payload_fd is None else payload_fd)
         try:
             # Its token is its place in the group (local_rank is not one across nodes).
@@ -260,6 +262,8 @@ class RankGroup:
         msg = pickle.loads(body)
         if isinstance(msg, Returned):
             r.result, r.has_result = msg.value, True
+        elif isinstance(msg, KeptGlobals):   # before its answer (_wire.mainglobals)
+            r.kept_globals += msg.names
         elif isinstance(msg, Raised):
             r.error = msg
             # An error raised after the teardown began is its consequence, not a cause.
@@ -336,10 +340,8 @@ class RankGroup:
                                        tokens=[self.ranks.index(r) for r in ranks])
 
     def _unregister(self, fileobj) -> None:
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(fileobj)
-        except (KeyError, ValueError):
-            pass
 
     # -- the end ---------------------------------------------------------------------
     def close(self) -> None:

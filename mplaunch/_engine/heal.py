@@ -184,15 +184,19 @@ def _all_answered(group: RankGroup) -> bool:
 
 
 def what_was_kept(replaced: Dict[int, int], backend: Optional[str], released: bool,
-                  stale: list) -> str:
+                  stale: list, nodes: Optional[Dict[int, str]] = None) -> str:
     """What a healed World kept, for its error: `replaced` maps each rank that died and
-    was replaced to its new pid; with a `backend` the group was rebuilt (a collective
-    `released`, or the ranks disagreed), and `stale` lists, per rank, the names of the
-    objects that still hold the old group."""
+    was replaced to its new pid, and across nodes `nodes` each such rank to its node as
+    %ranks names it ("node 1 (n2)"); with a `backend` the group was rebuilt (a
+    collective `released`, or the ranks disagreed), and `stale` lists, per rank, the
+    names of the objects that still hold the old group."""
     said = []
     if replaced:
+        # Across nodes a pid means nothing without its node.
+        procs = (f"pids {replaced}" if not nodes else "; ".join(
+            f"rank {r} on {nodes[r]}, pid {pid}" for r, pid in sorted(replaced.items())))
         said.append(f"rank(s) {sorted(replaced)} died and were replaced by fresh "
-                    f"processes (pids {replaced}) whose state is gone: send it again "
+                    f"processes ({procs}) whose state is gone: send it again "
                     "(world.fresh_ranks names them)")
     if backend is not None:
         why = ("a rank died" if replaced else "a collective was left half-done" if released

@@ -2,7 +2,8 @@
 fds (the ends a local rank's process would hold, kept here) and its node's connection,
 in both directions, so that the RankGroup reads and writes remote ranks' fds as it does
 local ones. Output is written without blocking (what a pipe cannot take waits here), so
-one rank's unread output never stops the others' frames."""
+one rank's unread output never stops the others' frames; what waits here is bounded by
+the agents' output window (tunnel.OUTPUT_WINDOW), given back as it is written on."""
 from __future__ import annotations
 
 import logging
@@ -220,15 +221,21 @@ class Pump:
         proxy, which = target
         fd = getattr(proxy, which)
         buf = proxy.pending[which]
+        written = 0
         while fd is not None and buf:
             try:
                 n = os.write(fd, buf)
             except BlockingIOError:
                 break
             except OSError:
+                written += len(buf)
                 buf.clear()     # the group closed its end
                 break
             del buf[:n]
+            written += n
+        if written:
+            # the agent may send that much more of this stream (tunnel.OUTPUT_WINDOW)
+            proxy.link.send(tunnel.CREDIT, proxy.token, (which, written))
         if fd is None:
             return
         try:

@@ -106,10 +106,10 @@ def _with_cause(err: WorkerError, raised: Optional[Raised]) -> WorkerError:
 
 def _stopped_record(attempt, rank: int) -> RankFailure:
     r = attempt.group.ranks[rank - attempt.cfg.global_rank(0)]
-    return stopped_failure(r, attempt.number, attempt.group.teardown.wall)
+    return stopped_failure(r, attempt.group.attempt, attempt.group.teardown.wall)
 
 
 def _timeout_record(attempt, ending: Ending) -> RankFailure:
     stuck: Optional[int] = min(ending.stacks) if ending.stacks else None
     rank = attempt.group.ranks[0].spec.rank if stuck is None else stuck
-    return timeout_failure(rank, attempt.number, ending.time_limit)
+    return timeout_failure(rank, attempt.group.attempt, ending.time_limit)

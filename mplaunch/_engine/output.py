@@ -73,6 +73,7 @@ class StreamRelay(OpenLine):
         self.logfile = logfile
         self.keep_tail = keep_tail
         self._tail = bytearray()
+        self._screen = None
         self.retarget(sink)
         # The line being received: the text after its last \r (all of it if none).
         self._pending = bytearray()
@@ -82,10 +83,6 @@ class StreamRelay(OpenLine):
         self._state = b""
         self._drawn = None
         self._open = False
-        self._screen = None
-        if sink is not None:
-            self._screen = _screen_for(sink)
-            self._screen.relays.append(weakref.ref(self))
         # Show an unfinished line at once (see show_prompts), and what of it is shown.
         self._prompts = False
         self._shown = None
@@ -98,6 +95,11 @@ class StreamRelay(OpenLine):
         # Bytes written under the text layer must show as soon as text would.
         self._flush_each = bool(getattr(sink, "line_buffering", False)
                                 or getattr(sink, "write_through", False))
+        if sink is not None and self._screen is None:
+            # Made with no sink (a World started before its first run): the first sink
+            # it gets decides its screen, or a progress bar would have none to draw on.
+            self._screen = _screen_for(sink)
+            self._screen.relays.append(weakref.ref(self))
 
     # -- input ---------------------------------------------------------------------
     def feed(self, data: bytes) -> None:

@@ -20,7 +20,7 @@ class RankState:
     """One rank of a RankGroup."""
     __slots__ = ("spec", "pid", "reader", "out_fd", "err_fd", "stack_fd", "out", "err",
                  "status", "result", "has_result", "error", "max_rss", "exit_note",
-                 "reporter", "exited_at", "log_name", "_child_ends")
+                 "reporter", "exited_at", "log_name", "kept_globals", "_child_ends")
 
     def __init__(self, spec: RankSpec):
         self.spec = spec
@@ -29,6 +29,9 @@ class RankState:
         self.has_result = False
         self.result = None
         self.error = None       # the Raised message the rank sent (_wire.messages)
+        # The __main__ names it kept over the caller's values (KeptGlobals), not yet
+        # taken by the front-end (a World's: _engine.serving)
+        self.kept_globals: tuple = ()
         self.reader: Optional[FramedReader] = None
         self.out: Optional[StreamRelay] = None
         self.err: Optional[StreamRelay] = None

@@ -81,6 +81,7 @@ class Serving:
         self.fresh: List[int] = []    # the ranks that are fresh processes since the last call
         self._stack: Optional[contextlib.ExitStack] = None
         self._generation = 0          # how many times ranks were started
+        self._called = None           # the group of the last call (take_kept_globals)
 
     @property
     def up(self) -> bool:
@@ -185,6 +186,16 @@ class Serving:
         if hub is not None:
             hub.close()
 
+    def reform(self, cfg: LaunchConfig, nodes: NodesPlan) -> None:
+        """Across nodes, after stop(): serve with `cfg` on `nodes` from the next start,
+        in a new step (World.restart(nnodes=)). Every rank of the new layout is a fresh
+        process, including ranks that keep their numbers."""
+        if self.attempt is not None:
+            raise RuntimeError("reform() re-forms stopped ranks; call stop() first")
+        self.close_nodes()
+        self.cfg, self.nodes = cfg, nodes
+        self.fresh = list(range(cfg.world_size))
+
     # -- a call ----------------------------------------------------------------------
     def call(self, payload: Union[bytes, Payload], timeout: Optional[float]) -> list:
         """Every rank's result of `payload`, or raise what launch() would (healed first
@@ -192,6 +203,7 @@ class Serving:
         self.start()
         self.fresh = []
         attempt = self._send(payload)
+        self._called = attempt.group
         if not self.heal:
             return self._wait_replies(timeout)
         group = attempt.group
@@ -216,6 +228,18 @@ class Serving:
         else:
             error.healed = kept
         raise error
+
+    def take_kept_globals(self) -> Dict[str, List[int]]:
+        """{name: ranks} of the `__main__` names that ranks kept over the calling
+        process's values in the calls since the last look (_wire.mainglobals), also
+        after a call that failed or tore the ranks down."""
+        group, self._called = self._called, None
+        kept: Dict[str, List[int]] = {}
+        for r in group.ranks if group is not None else ():
+            for name in r.kept_globals:
+                kept.setdefault(name, []).append(r.spec.rank)
+            r.kept_globals = ()
+        return kept
 
     def _send(self, payload: Union[bytes, Payload]) -> Attempt:
         attempt = self.attempt
@@ -285,7 +309,10 @@ class Serving:
                     "torn down; the next run starts fresh ranks")
         self.fresh = [group.ranks[i].spec.rank for i in dead]
         pids = {group.ranks[i].spec.rank: group.ranks[i].pid for i in dead}
-        return what_was_kept(pids, backend, released, stale)
+        nodes = None if self.nodes is None else {
+            s.rank: f"node {s.node_rank} ({s.hostname})"
+            for s in (group.ranks[i].spec for i in dead)}
+        return what_was_kept(pids, backend, released, stale, nodes)
 
     def _rebuild(self, backend, n: int, dead: List[int], live) -> list:
         """Start a fresh process for each dead rank and build the group again in every

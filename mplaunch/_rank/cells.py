@@ -8,6 +8,8 @@ import linecache
 import sys
 from typing import Any, Dict, Tuple
 
+from .._wire import mainglobals
+
 
 # A cell travels as two arguments to the builtin exec: its source (compiled in the rank,
 # where its lines are also registered for the rank's own traceback) and the rank's
@@ -35,7 +37,9 @@ def cell_code(filename: str, shown: str, offset: int, body: str):
     linecache.cache[filename] = (len(shown), None, lines, filename)
     tree = ast.parse("\n" * offset + body, filename, "exec")
     _display_last_expression(tree)
-    return compile(tree, filename, "exec", dont_inherit=True)
+    code = compile(tree, filename, "exec", dont_inherit=True)
+    mainglobals.cell_runs(code)   # what it assigns is the rank's (_wire.mainglobals)
+    return code
 
 
 def _display_last_expression(tree) -> None:
@@ -64,7 +68,8 @@ def _main_namespace() -> Dict[str, Any]:
 
 
 def push(values: Dict[str, Any]) -> None:
-    _main_namespace().update(values)
+    # Over the rank's own values on purpose: the names follow the notebook again.
+    mainglobals.push(_main_namespace(), values)
 
 
 def pull(name: str) -> Tuple[str, Any]:

@@ -8,11 +8,10 @@ group's timeout (30 min), and neither ``abort()`` (a no-op for gloo) nor a signa
 it. Shutting down the TCP connections to the other ranks does: gloo's pairs see the
 connection closed and the collective raises. The launching process asks for it with
 RELEASE_SIGNAL, taken by a thread of ours (sigwait) since the main thread is the one
-blocked. Which connections are the group's is known from the endpoints every rank
-published in the store when the group was made and read back right after
-(_rank.endpoints): a connection to a peer's listener, or one accepted by this rank's
-own. That works wherever the peers run, on this node or another one; the thread reads
-only /proc/self and /proc/net, never the store.
+blocked. Which connections are the group's the rank noted itself as the group was made
+(_rank.endpoints): the sockets it gained during init, and any accepted later by the
+group's listeners. That works wherever the peers run, on this node or another one; the
+thread reads only /proc/self and asks its own sockets, never the store.
 """
 from __future__ import annotations
 
@@ -33,6 +32,7 @@ def arm_release() -> None:
     sig = RELEASE_SIGNAL
     if sig is None or not hasattr(signal, "sigwait"):
         return
+    endpoints.enable()   # only a rank that can be released notes its groups' sockets
     signal.pthread_sigmask(signal.SIG_BLOCK, {sig})
     t = threading.Thread(target=_release_loop, name="mplaunch-release", daemon=True)
     t.start()

@@ -15,8 +15,8 @@ alike; when a heal rebuilds the group the launching process sets one number for 
 them (a replaced rank starts at 0, its peers do not).
 
 After the group. The hook also follows ``torch.distributed.init_process_group`` with
-_rank.endpoints' exchange of the group's TCP endpoints (for the release of a healing
-World), in the group's key space: the one moment the group is known to be up.
+_rank.endpoints' note of the group's TCP connections (for the release of a healing
+World; nothing in other ranks): the one moment the group is known to be up.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def _patch_init(mod) -> None:
     a framework calls it (``dist.init_process_group(...)``). A caller that took the
     function before this rank started (``from torch.distributed import
     init_process_group`` in the process a fork-mode rank was forked from) calls torch's
-    own: its group's endpoints are not exchanged, and a collective of it left half-done
+    own: its group's connections are not noted, and a collective of it left half-done
     is not released (the rank is replaced instead). mplaunch's own groups call
     group_made() themselves (_rank.procgroup)."""
     original = getattr(mod, "init_process_group", None)
@@ -103,7 +103,7 @@ def _patch_init(mod) -> None:
 
 def _patch_new_group(mod) -> None:
     """torch.distributed.new_group, followed by endpoints.subgroup_made(): a subgroup's
-    listeners are its own, and its members exchange them as the default group's do."""
+    connections are its own, and the release shuts them as the default group's."""
     original = getattr(mod, "new_group", None)
     if original is None or getattr(original, "_mplaunch", False):
         return
@@ -111,10 +111,9 @@ def _patch_new_group(mod) -> None:
 
     @functools.wraps(original)
     def new_group(*args, **kwargs):
-        before = frozenset(endpoints.own_listeners())
+        before = endpoints.subgroup_started()
         group = original(*args, **kwargs)
-        endpoints.subgroup_made(group, kwargs.get("ranks", args[0] if args else None),
-                                before)
+        endpoints.subgroup_made(group, before)
         return group
 
     new_group._mplaunch = 1  # type: ignore[attr-defined]
@@ -170,7 +169,7 @@ def _joining(scheme: str, original):
         # A key space per group (the module's docstring says why)
         prefix = os.environ.get("MPLAUNCH_STORE_PREFIX", "") + next_key_space()
         group_store = PrefixStore(prefix, store)
-        endpoints.rendezvous_started(group_store, rank, world_size, store_at)
+        endpoints.rendezvous_started(store_at)
         yield (group_store, rank, world_size)
         raise RuntimeError(f"Unable to perform re-rendezvous using {scheme}:// method")
 
@@ -258,11 +257,9 @@ def close_inherited_store_sockets() -> int:
     _, _, port = store.rpartition(":")
     if not port.isdigit():
         return 0
-    hexport = f":{int(port):04X}"
-    table = linux.tcp_table()
     closed = 0
-    for fd, inode in linux.socket_fds(os.getpid()).items():
-        ends = table.get(inode)
-        if ends is not None and ends[0].endswith(hexport):
+    for fd in linux.socket_fds(os.getpid()):
+        ends = linux.socket_ends(fd)   # the socket itself, not the machine's TCP table
+        if ends is not None and ends[0][1] == int(port):
             closed += linux.close_quiet(fd)
     return closed

@@ -18,11 +18,12 @@ import time
 from . import collectives, heal, procgroup, rendezvous, serve as serving, streams
 # Imported here, not when first used: the server imports this module before it forks
 # any rank (a forked rank finds them loaded), and every rank needs them.
-from .._wire import buffers, linux, mainmod, payload as wire_payload
+from .._wire import buffers, linux, mainglobals, mainmod, payload as wire_payload
 from .._wire.channel import send_framed
 from .._wire.exceptions import pack_exception
 from .._wire.messages import (EXIT_CHANNEL_CLOSED, EXIT_ERROR, EXIT_PARENT_GONE,
-                              MESSAGE_TAG, RESULT_TAG, STACK_SIGNAL, Raised, Returned)
+                              MESSAGE_TAG, RESULT_TAG, STACK_SIGNAL, KeptGlobals, Raised,
+                              Returned)
 
 # mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.serve)
 __mplaunch_plumbing__ = True
@@ -87,6 +88,11 @@ def _lead_own_group(stdin) -> None:
 def _apply_spec(spec, forked_from_launcher: bool = False) -> None:
     os.environ.clear()
     os.environ.update(spec.env)
+    if "SLURM_TASK_PID" in os.environ:
+        # Each rank is a task of its own (_engine.env rewrites the others); under srun a
+        # task's SLURM_TASK_PID is its own pid, known only here, not the launching
+        # process's or its node agent's that the environment was copied from.
+        os.environ["SLURM_TASK_PID"] = str(os.getpid())
     try:
         os.chdir(spec.cwd)
     except OSError:
@@ -197,7 +203,13 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
             func, args, kwargs = wire_payload.loads_payload(
                 payload, mainmod.publish(payload_fd), inputs)
             del payload, inputs
-            value = func(*args, **kwargs)
+            kept = mainglobals.take_kept()
+            if kept:
+                _send(sock, KeptGlobals(tuple(kept)))   # the caller warns, once per name
+            try:
+                value = func(*args, **kwargs)
+            finally:
+                mainglobals.settle(func)   # what the call assigned is the rank's
     except SystemExit as exc:
         exitcode = _exit_code(exc.code)
         if exitcode == 0:
@@ -318,13 +330,43 @@ def _spawn_style_hint(exc: BaseException):
     return None
 
 
+def _is_ours(tb) -> bool:
+    """A frame of how the rank reached the user's code: mplaunch's own (this module, a
+    front-end's wrapper such as pytest_rank or calls), or runpy's, which ran a script."""
+    frame = tb.tb_frame
+    name = frame.f_globals.get("__name__")
+    name = name if isinstance(name, str) else ""
+    return (name == "mplaunch" or name.startswith("mplaunch.") or name == "runpy"
+            or frame.f_code.co_filename == "<frozen runpy>")
+
+
+def _from_users_code(exc: BaseException) -> None:
+    """Cut the frames above the user's code off `exc` and off every exception of its
+    chain, as pytest leaves out its own frames above a test: the rank's stderr, the
+    error's ``traceback`` text and its ``__cause__`` then start at the user's first
+    frame, whichever front-end called it. Frames below the user's (an mplaunch function
+    the user called) are the user's business and stay. A traceback with no frame of
+    the user's keeps all but this module's."""
+    pending, seen = [exc], set()
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        tb = first = exc.__traceback__
+        while first is not None and _is_ours(first):
+            first = first.tb_next
+        if first is None:
+            while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+                tb = tb.tb_next
+            first = tb
+        exc.__traceback__ = first
+        pending += [exc.__cause__, exc.__context__]
+
+
 def _send_exception(sock, exc: BaseException, exitcode: int, show: bool = True,
                     hint=None) -> None:
-    tb = exc.__traceback__
-    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
-                              or tb.tb_frame.f_code.co_filename == "<frozen runpy>"):
-        tb = tb.tb_next  # our own frames say nothing about the user's failure
-    exc.__traceback__ = tb
+    _from_users_code(exc)
     if hint:
         # A note on the cause (Python shows it under the exception from 3.11 on), and a
         # line of the message, so str(WorkerError) says it under every Python.

@@ -5,9 +5,9 @@ import ctypes
 import ctypes.util
 import os
 import signal
-import sys
+import socket
 import time
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 # mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.serve)
 __mplaunch_plumbing__ = True
@@ -224,65 +224,55 @@ def socket_fds(pid: int) -> Dict[int, int]:
     return out
 
 
-def _tcp_rows():
-    """Each TCP socket of this network namespace as /proc/net/tcp{,6} lists it: the
-    split fields of its line (local address, remote address, state, ..., inode)."""
-    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(path) as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            parts = line.split()
-            if len(parts) > 9:
-                yield parts
-
-
-def tcp_table() -> Dict[int, Tuple[str, str]]:
-    """{inode: (local address, remote address)} of this network namespace's TCP sockets,
-    addresses as /proc/net/tcp writes them."""
-    return {int(parts[9]): (parts[1], parts[2]) for parts in _tcp_rows()}
-
-
-TCP_LISTEN = 0x0A   # the kernel's TCP_LISTEN, as /proc/net/tcp's "st" column shows it
-
 Endpoint = Tuple[str, int]
-_HEX = frozenset("0123456789abcdefABCDEF")
+# (local endpoint, remote endpoint or None, whether it listens) of one TCP socket
+SocketEnds = Tuple[Endpoint, Optional[Endpoint], bool]
+
+
+def socket_ends(fd: int) -> Optional[SocketEnds]:
+    """What this process's fd `fd` is, when it is a TCP socket: its local endpoint, its
+    remote one (None when it has none: a listener, or a connection already reset), and
+    whether it listens; None for anything else (a unix socket, a pipe, a closed fd).
+
+    Asked of the socket itself (getsockname, getpeername, SO_ACCEPTCONN), never read
+    from /proc/net/tcp: that table holds every TCP socket of the network namespace
+    (thousands of TIME_WAIT ones on any machine that has run something), and a rank
+    must pay for what it owns, not for what the machine holds."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        s = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+    try:
+        if s.family not in (socket.AF_INET, socket.AF_INET6) or \
+                s.type != socket.SOCK_STREAM:
+            return None
+        local = _endpoint(s.getsockname())
+        listening = bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+        try:
+            remote: Optional[Endpoint] = _endpoint(s.getpeername())
+        except OSError:
+            remote = None
+        return local, remote, listening
+    except (OSError, ValueError):
+        return None
+    finally:
+        s.close()
+
+
+def _endpoint(address) -> Endpoint:
+    import ipaddress
+    host = str(address[0]).split("%", 1)[0]
+    return plain_ip(ipaddress.ip_address(host)), int(address[1])
 
 
 def plain_ip(address) -> str:
     """The text of an ipaddress address, an IPv4-mapped IPv6 one as the IPv4 address it
-    maps: a socket of an AF_INET6 listener shows its IPv4 peers so in /proc/net/tcp6,
-    and the same peer seen from an AF_INET socket must compare equal."""
+    maps: a connection accepted by a dual-stack AF_INET6 listener names its IPv4 peer
+    so, and the same peer seen from an AF_INET socket must compare equal."""
     mapped = getattr(address, "ipv4_mapped", None)
     return str(mapped if mapped is not None else address)
-
-
-def decode_endpoint(text: str) -> Endpoint:
-    """(address, port) of an address as /proc/net/tcp{,6} writes it: the address's
-    32-bit words in hex, each in the host's byte order, then ':' and the port in hex
-    (``0100007F:1F90`` is 127.0.0.1:8080 on a little-endian host). ValueError if it is
-    neither form."""
-    import ipaddress
-    hexaddr, sep, hexport = text.partition(":")
-    if not sep or len(hexaddr) not in (8, 32) or not 0 < len(hexport) <= 4 \
-            or not all(c in _HEX for c in hexaddr + hexport):
-        raise ValueError(f"not a /proc/net/tcp address: {text!r}")
-    packed = b"".join(int(hexaddr[i:i + 8], 16).to_bytes(4, sys.byteorder)
-                      for i in range(0, len(hexaddr), 8))
-    return plain_ip(ipaddress.ip_address(packed)), int(hexport, 16)
-
-
-def tcp_sockets() -> Dict[int, Tuple[Endpoint, Endpoint, int]]:
-    """{inode: (local (address, port), remote (address, port), state)} of this network
-    namespace's TCP sockets, addresses as plain_ip writes them (tcp6's IPv4-mapped
-    entries as IPv4); a line that cannot be read is left out."""
-    out = {}
-    for parts in _tcp_rows():
-        try:
-            out[int(parts[9])] = (decode_endpoint(parts[1]), decode_endpoint(parts[2]),
-                                  int(parts[3], 16))
-        except ValueError:
-            continue
-    return out

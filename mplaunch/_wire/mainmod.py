@@ -38,6 +38,8 @@ import pickle
 import sys
 import types
 
+from . import mainglobals
+
 __all__ = ["MAIN_NAMES", "ENV", "main_qualname", "main_attr", "MainGlobals",
            "main_offset", "become_main", "publish", "fill_child_main"]
 
@@ -121,7 +123,10 @@ def become_main(data, path: str) -> None:
         main.__spec__ = _child_main_spec()
         sys.modules["__main__"] = main
     # else: a World's rank, on a later call: its `__main__` (the globals of the
-    # functions it ran) stays, and takes this call's definitions on top.
+    # functions it ran) stays, and takes this call's definitions on top, but not over
+    # the names its own code bound (_wire.mainglobals).
+    mainglobals.track(vars(main))
+    mainglobals.settle()
     os.environ.pop(ENV, None)  # a nested launch's value is not ours
     part = pickle.loads(data)
     if part is None:  # nothing from `__main__` in this launch
@@ -140,7 +145,8 @@ def _child_main_spec():
 
 def _fill(namespace: dict, attrs: dict, objects: dict) -> None:
     namespace.update(attrs)
-    namespace.update(objects)
+    # Classes and functions the caller's `__main__` defines: they follow the caller.
+    mainglobals.install(namespace, objects, defined=objects)
 
 
 def publish(payload_fd: int) -> str:

@@ -13,8 +13,8 @@ Three links carry them (framing in _wire.channel):
   :class:`ExecRank` to a fresh interpreter (start_method="spawn");
 - a rank's *result socket* (rank <-> launching process): the rank answers each call
   with :class:`Returned` or :class:`Raised`, or with a result pickled with its tensors in
-  shared memory (:data:`RESULT_TAG`); a World's rank gets each further call as
-  :data:`CALL_TAG` with the payload's fd.
+  shared memory (:data:`RESULT_TAG`), after a :class:`KeptGlobals` note where it has
+  one; a World's rank gets each further call as :data:`CALL_TAG` with the payload's fd.
 
 Records are NamedTuples, so they pickle small and fast (the class by reference, the
 fields as a tuple) and every reader names the field it wants. Each carries its ``tag``
@@ -157,6 +157,14 @@ class Returned(NamedTuple):
     """The call returned `value` (small values; see RESULT_TAG for the others)."""
     tag = "ok"
     value: Any
+
+
+class KeptGlobals(NamedTuple):
+    """Sent before a call's answer, not in its place: the names of the rank's
+    `__main__` that its own code bound and that it kept over the values the call
+    brought from the caller (_wire.mainglobals), each said once in the rank's life."""
+    tag = "kept"
+    names: Tuple[str, ...]
 
 
 class Raised(NamedTuple):

@@ -15,7 +15,7 @@ import types
 
 import cloudpickle
 
-from . import mainmod, reducers
+from . import mainglobals, mainmod, reducers
 from .pickler import Pickler, dumps as _dumps
 
 __all__ = ["dumps_payload", "loads_payload", "dumps_result", "loads_result"]
@@ -118,7 +118,9 @@ class _PayloadPickler(Pickler):
       the payload's first pickle), so that the rank's objects and its `__main__`'s are
       the same: pickle finds them there;
     - the globals of functions defined in `__main__` become the `__main__` namespace
-      of the process that unpickles them (see mainmod.MainGlobals).
+      of the process that unpickles them (see mainmod.MainGlobals), and the values
+      they name go in there through the rank's ledger (_wire.mainglobals), which
+      keeps the names a World's rank bound itself.
     """
 
     def __init__(self, file, main, by_name: bool, buffer_callback=None):
@@ -150,7 +152,24 @@ class _PayloadPickler(Pickler):
                 top = qualname.partition(".")[0]
                 self.found[top] = vars(self._main)[top]
                 return mainmod.main_attr, (qualname,)
+        if t is types.FunctionType and \
+                self.globals_ref.get(id(obj.__globals__)) is self._main_globals:
+            return self._main_function(obj)
         return _cloudpickle_reduce(self, obj)
+
+    def _main_function(self, func):
+        """cloudpickle's reduction of a function whose globals are `__main__`'s, told
+        which of the globals it names are the classes and functions `__main__` defines
+        under that name (those follow the caller even over a rank's own name)."""
+        rv = _cloudpickle_reduce(self, func)
+        try:
+            named = rv[2][1]["__globals__"]
+        except (TypeError, LookupError):
+            return rv   # not the shape this cloudpickle is known to give
+        main = self._main
+        return mainglobals.function_reduce(
+            rv, [k for k, v in named.items() if isinstance(v, (types.FunctionType, type))
+                 and mainmod.main_qualname(v, main) == k])
 
 
 _cloudpickle_reduce = Pickler.reducer_override

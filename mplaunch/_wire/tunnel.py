@@ -28,12 +28,19 @@ _HEADER = struct.Struct("!BIQ")
 
 # front -> agent
 CONFIG, OPEN, START, TO_RANK, TO_STACK, SIGNAL_GROUPS, SIGNAL_RANKS, SWEEP, CLOSE_GROUP, \
-    BYE, PAYLOAD, DROP = range(1, 13)
+    BYE, CREDIT, PAYLOAD, DROP = range(1, 14)
 # agent -> front
 HELLO, READY, STARTED, EXITED, START_FAILED, FROM_RANK, OUT, ERR, FROM_STACK, SWEPT, \
     CLOSED, SERVER_LOST, SIGNALED = range(32, 45)
 
 RAW = {TO_STACK, OUT, ERR, FROM_STACK}
+
+# How many bytes of one rank's stdout (or stderr) an agent sends ahead of what the
+# launching process has written on (CREDIT frames give it back). Past that the agent
+# stops reading the rank's pipe and the rank blocks on it, as a rank on this node does
+# when nobody reads its output: a flood between calls slows the rank, never grows the
+# launching process's memory (at most this much per rank and stream).
+OUTPUT_WINDOW = 1 << 20
 
 
 def keepalive(sock: socket.socket, idle: int = 5, interval: int = 2,

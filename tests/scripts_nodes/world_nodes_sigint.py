@@ -43,7 +43,7 @@ def allreduce_sum():
 def main():
     outdir = sys.argv[1]
     wrap = lambda i: ["env", f"SLURMD_NODENAME=node{i}"]  # noqa: E731
-    with mplaunch.World(4, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+    with mplaunch.World(2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
                         grace_period=3, _starter=local_step.starter(wrap=wrap)) as w:
         w.run(count_calls)
         pids = w.pids

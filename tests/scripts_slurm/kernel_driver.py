@@ -1,11 +1,11 @@
 """Run by test_slurm_world inside an allocation (`salloc -N2 python kernel_driver.py`):
 starts a real Jupyter kernel (ipykernel, this interpreter) as its child, so the kernel
 is inside the allocation as one started from a Jupyter server there would be, and runs
-a notebook's cells in it with nbclient: `%ranks start 4 --nodes 2`, then DDP across
-%%ranks cells, a cell failing in one rank, a cell stopped with the stop button, and
-a cell after them that finds the ranks and their names kept. Prints one JSON line per
-cell (its id, stdout, stderr and errors) and the job's steps after chosen cells; ends
-once the kernel has shut down."""
+a notebook's cells in it with nbclient: `%ranks start 2 --nodes 2` (2 ranks on each
+node), then DDP across %%ranks cells, a cell failing in one rank, a cell stopped with
+the stop button, and a cell after them that finds the ranks and their names kept.
+Prints one JSON line per cell (its id, stdout, stderr and errors) and the job's steps
+after chosen cells; ends once the kernel has shut down."""
 import asyncio
 import json
 import os
@@ -24,7 +24,7 @@ from allocation import say, steps
 
 
 CELLS = {
-    "start": "%load_ext mplaunch\n%ranks start 4 --nodes 2 --master-addr 127.0.0.1",
+    "start": "%load_ext mplaunch\n%ranks start 2 --nodes 2 --master-addr 127.0.0.1",
     "model": """%%ranks
 import os
 import torch

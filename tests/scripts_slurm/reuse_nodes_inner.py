@@ -1,10 +1,10 @@
 """The inner session of test_slurm_world's plugin test, run by `salloc -N2 python -m
 pytest` with MPLAUNCH_TEST_NNODES=2 and OUT naming a directory: reuse tests in a World
-across the allocation's two nodes. Each rank of each test writes
-OUT/<test>-rank<R> = "pid node"; the plain test in between (run in this pytest process,
-inside the allocation) writes OUT/steps, the job's steps while the World is up. A test
-failing in rank 2 (on n2) heals the World, and the test after it runs in the same
-ranks."""
+across the allocation's two nodes, nprocs=2 ranks on each. Each rank of each test
+writes OUT/<test>-rank<R> = "pid node"; the plain test in between (run in this pytest
+process, inside the allocation) writes OUT/steps, the job's steps while the World is
+up. A test failing in rank 2 (on n2) heals the World, and the test after it runs in the
+same ranks."""
 import os
 import pathlib
 import subprocess
@@ -21,7 +21,7 @@ def record(name):
         f"{os.getpid()} {os.environ.get('SLURMD_NODENAME')}")
 
 
-@pytest.mark.mplaunch(nprocs=4, nnodes=2, reuse=True, master_addr="127.0.0.1")
+@pytest.mark.mplaunch(nprocs=2, nnodes=2, reuse=True, master_addr="127.0.0.1")
 def test_a_explicit_nodes():
     assert dist.get_world_size() == 4
     t = torch.tensor([float(dist.get_rank() + 1)])
@@ -37,7 +37,7 @@ def test_b_plain_in_between():
 
 
 # nnodes from MPLAUNCH_TEST_NNODES: the same options, so the same World
-@pytest.mark.mplaunch(nprocs=4, reuse=True, master_addr="127.0.0.1")
+@pytest.mark.mplaunch(nprocs=2, reuse=True, master_addr="127.0.0.1")
 def test_c_nodes_from_the_environment():
     t = torch.ones(1) * dist.get_rank()
     dist.broadcast(t, src=3)
@@ -45,12 +45,12 @@ def test_c_nodes_from_the_environment():
     record("c")
 
 
-@pytest.mark.mplaunch(nprocs=4, nnodes=2, reuse=True, master_addr="127.0.0.1")
+@pytest.mark.mplaunch(nprocs=2, nnodes=2, reuse=True, master_addr="127.0.0.1")
 def test_d_fails_on_node_1():
     assert dist.get_rank() != 2, "FAILS-IN-RANK-2 on " + os.environ["SLURMD_NODENAME"]
 
 
-@pytest.mark.mplaunch(nprocs=4, nnodes=2, reuse=True, master_addr="127.0.0.1")
+@pytest.mark.mplaunch(nprocs=2, nnodes=2, reuse=True, master_addr="127.0.0.1")
 def test_e_after_the_failure():
     dist.barrier()
     record("e")

@@ -29,7 +29,7 @@ def all_reduce():
 
 
 def main():
-    w = mplaunch.World(nprocs=4, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+    w = mplaunch.World(nprocs=2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
                        timeout=60)
     first = w.run(whoami)
     nodes = [{k: n[k] for k in ("node", "name", "agent_pid")} for n in w.nodes]

@@ -68,7 +68,7 @@ stop = threading.Event()
 thread = threading.Thread(target=intrude, args=(stop,), daemon=True)
 thread.start()
 t0 = time.monotonic()
-with mplaunch.World(nprocs=4, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+with mplaunch.World(nprocs=2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
                     timeout=60) as w:
     try:
         w.start()

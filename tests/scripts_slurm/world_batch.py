@@ -17,6 +17,6 @@ def where():
 
 
 env = {k: os.environ.get(k) for k in ("SLURM_CPUS_ON_NODE", "SLURM_JOB_CPUS_PER_NODE")}
-with mplaunch.World(nprocs=4, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+with mplaunch.World(nprocs=2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
                     timeout=60) as w:
     print(json.dumps({"check": "batch", "env": env, "results": w.run(where)}), flush=True)

@@ -19,7 +19,7 @@ RESCUE = {"run": 15.0, "close": 40.0}
 
 
 def main(mode):
-    w = mplaunch.World(nprocs=4, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+    w = mplaunch.World(nprocs=2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
                        timeout=60, grace_period=2)
     w.run(os.getpid)
     pids = sorted(set(w.pids.values()) | {n["agent_pid"] for n in w.nodes})

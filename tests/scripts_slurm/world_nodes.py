@@ -1,5 +1,5 @@
 """Run by test_slurm_world inside an allocation (`salloc -N2 python world_nodes.py`):
-one World of 4 ranks over the allocation's 2 nodes, through its runs and heals. Prints
+one World of 2 ranks on each of the allocation's 2 nodes, through its runs and heals. Prints
 one JSON line per check ({"check": name, ...}) for the test to parse; the pids it saw
 (ranks and agents, all of them) are printed last, for the test to prove them gone."""
 import os
@@ -25,7 +25,7 @@ def whoami():
     keys = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE",
             "LOCAL_WORLD_SIZE", "SLURMD_NODENAME", "SLURM_PROCID", "SLURM_LOCALID",
             "SLURM_NODEID", "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_STEP_ID",
-            "SLURM_JOB_NAME", "MASTER_ADDR", "MASTER_PORT")
+            "SLURM_JOB_NAME", "MASTER_ADDR", "MASTER_PORT", "SLURM_TASK_PID")
     with open("/proc/self/environ", "rb") as f:
         initial = f.read()
     return dict({k: os.environ.get(k) for k in keys}, pid=os.getpid(),
@@ -76,12 +76,12 @@ def hang_in_rank_1():
 
 def main():
     try:
-        mplaunch.World(nprocs=6, nnodes=3, backend="gloo", master_addr="127.0.0.1")
+        mplaunch.World(nprocs=2, nnodes=3, backend="gloo", master_addr="127.0.0.1")
         say("too_many", raised=None)
     except ValueError as err:
         say("too_many", raised=type(err).__name__, message=str(err), steps=steps())
 
-    w = mplaunch.World(nprocs=4, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+    w = mplaunch.World(nprocs=2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
                        timeout=60)
     t0 = time.monotonic()
     ranks = w.run(whoami)
@@ -89,7 +89,7 @@ def main():
     say("start", seconds=round(time.monotonic() - t0, 2), ranks=ranks,
         nodes=[{k: n[k] for k in ("node", "name", "agent_pid")} for n in w.nodes],
         pids={str(k): v for k, v in w.pids.items()}, steps=steps(),
-        job_id=JOB, nprocs=w.nprocs, nnodes=w.nnodes)
+        job_id=JOB, nprocs=w.nprocs, nnodes=w.nnodes, size=w.size, repr=repr(w))
 
     say("all_reduce", results=w.run(all_reduce))
 
@@ -154,7 +154,7 @@ def main():
     remember(w)
 
     # a second World in the same allocation, meanwhile: a step of its own
-    with mplaunch.World(nprocs=2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+    with mplaunch.World(nprocs=1, nnodes=2, backend="gloo", master_addr="127.0.0.1",
                         timeout=60) as w2:
         second = w2.run(whoami)
         seen_pids.update(w2.pids.values())

@@ -31,16 +31,16 @@ def env_for(rank):
     return {"MY_RANK": str(rank)}
 
 
-with mplaunch.World(nprocs=4, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+with mplaunch.World(nprocs=2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
                     timeout=60, env=env_for) as w:
     say("env_callable", ranks=w.run(my_env))
-with mplaunch.World(nprocs=4, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+with mplaunch.World(nprocs=2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
                     timeout=60, env={"SHARED": "yes"}, cpus="per-rank") as w:
     say("cpus_per_rank", env=w.run(my_env), ranks=w.run(my_cpus),
         nodes=[{k: n[k] for k in ("node", "name", "cpus", "allowed")} for n in w.nodes])
 
 logs = tempfile.mkdtemp(prefix="mplaunch-logs-")
-with mplaunch.World(nprocs=4, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+with mplaunch.World(nprocs=2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
                     timeout=60, log_dir=logs) as w:
     w.run(lambda: print("hello from rank", os.environ["RANK"], flush=True))
     # where every rank is, asked from another thread while they sleep in a run

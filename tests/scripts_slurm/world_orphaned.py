@@ -16,7 +16,7 @@ from allocation import alive, steps
 
 def child(how):
     import mplaunch
-    w = mplaunch.World(nprocs=4, nnodes=2, backend="gloo", master_addr="127.0.0.1")
+    w = mplaunch.World(nprocs=2, nnodes=2, backend="gloo", master_addr="127.0.0.1")
     w.run(os.getpid)
     pids = sorted(set(w.pids.values()) | {n["agent_pid"] for n in w.nodes})
     print(json.dumps({"pids": pids, "steps": steps()}), flush=True)

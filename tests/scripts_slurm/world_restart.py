@@ -32,7 +32,7 @@ def attempt(func):
 
 
 def main():
-    with mplaunch.World(nprocs=4, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+    with mplaunch.World(nprocs=2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
                         timeout=60) as w:
         first = w.run(where)
         before_steps = steps()
@@ -41,7 +41,7 @@ def main():
         say("restart", first=first, steps_before=before_steps, restart_error=restart_error,
             after=after, run_error=run_error, steps=steps())
 
-    with mplaunch.World(nprocs=4, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+    with mplaunch.World(nprocs=2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
                         timeout=60, heal=False) as w:
         first = w.run(where)
         before_steps = steps()
@@ -51,7 +51,7 @@ def main():
             after=after, run_error=run_error, steps=steps())
 
     # node 1's warm server (the ranks' parent there) killed: its ranks go with it
-    with mplaunch.World(nprocs=4, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+    with mplaunch.World(nprocs=2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
                         timeout=60) as w:
         first = w.run(where)
         before_steps = steps()
