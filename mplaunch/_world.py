@@ -297,7 +297,7 @@ _NOT_USERS = ("mplaunch", "IPython")
 def _across_nodes(nprocs, nnodes, backend, options, starter):
     """The configuration of a World of `nprocs` ranks on each of `nnodes` nodes of this
     SLURM allocation, checked before anything starts."""
-    from ._engine import nodestep
+    from ._engine.nodes import slurm_step as nodestep
     if not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1:
         raise ValueError(f"nnodes must be an int >= 1 (the nodes of this allocation the "
                          f"World spans), got {nnodes!r}")

@@ -10,7 +10,11 @@ mplaunch is three programs and the contract between them. The folders say which 
 - ``_server``: the warm server. Its forked children become ranks, so it may import
   ``_rank`` as well.
 - ``_engine``: the launching process's machinery. Imports ``_wire`` and ``errors``; the one
-  exception is the fork spawner, whose child *is* a rank.
+  exception is the fork spawner, whose child *is* a rank. What concerns more than one
+  node is in ``_engine.nodes``.
+- ``_agent``: a node's agent, a process of its own on each node of a World across nodes.
+  It runs its node's share with the engine's servers and spawners, so it may import
+  ``_engine``; nothing imports it (it is started with ``python -m``).
 - the front-ends (``_launch``, ``_handle``, ``_world``, ``_magic``, ``_cli``, the pytest
   plugin) sit on top and may import anything.
 """
@@ -40,6 +44,7 @@ ALLOWED = {
     "_rank": {"_wire", "errors"},
     "_server": {"_wire", "_rank", "errors"},
     "_engine": {"_wire", "errors"},
+    "_agent": {"_engine", "_wire", "errors"},
 }
 # (importing module, imported module): the exceptions, each with its reason
 EXCEPTIONS = {
@@ -109,6 +114,17 @@ def test_each_process_imports_only_what_its_layer_may():
                 continue
             bad.append(f"{module} imports {target}")
     assert not bad, "\n".join(bad)
+
+
+@no_torch
+def test_nothing_imports_the_agent_which_the_step_starts_by_its_module_name():
+    from mplaunch._engine.nodes import slurm_step
+    assert slurm_step.AGENT_MODULE == "mplaunch._agent.agent"
+    assert _is_module(slurm_step.AGENT_MODULE)
+    importers = [f"{module} imports {target}" for module, path in _modules()
+                 if _layer(module) != "_agent" for target in _imports(module, path)
+                 if _layer(target) == "_agent"]
+    assert not importers, importers
 
 
 @no_torch

@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Union
 
 from . import servers, signals
 from .attempt import Attempt
-from . import nodespawner, remote
+from .nodes import remote, spawner as nodespawner
 from .config import LaunchConfig, node_user_envs, rank_specs, with_streams
 from .heal import CallDriver, consequences_last, what_was_kept
 from .outcome import error_for, results_or_raise
@@ -45,7 +45,7 @@ log = logging.getLogger("mplaunch")
 @dataclass(frozen=True)
 class NodesPlan:
     """A World across nodes: `nnodes` agents started by `starter` (one SLURM step by
-    default: _engine.remote), reaching this process at `address`; `gpus` and `cpus`
+    default: _engine.nodes.remote), reaching this process at `address`; `gpus` and `cpus`
     are the placement each node applies to its own ranks."""
     nnodes: int
     address: str
@@ -73,7 +73,7 @@ class Serving:
                  calls: RankCalls, nodes: Optional[NodesPlan] = None):
         self.cfg = cfg
         self.nodes = nodes
-        self.hub = None               # a World across nodes: its agents (_engine.remote)
+        self.hub = None               # a World across nodes: its agents (_engine.nodes.remote)
         self.backend = backend
         self.heal = heal
         self.calls = calls

@@ -9,7 +9,7 @@ result's buffers), which the other side turns back into memfds: fds do not cross
 machines, their contents do. A payload (a start's or a call's memfd, large inputs
 included) crosses once per node, not once per rank: a PAYLOAD frame streams the file,
 under a key, into a memfd the agent keeps, and the frames that start or call the node's
-ranks name it by that key (_engine.nodepayloads decides when to send and drop one).
+ranks name it by that key (_engine.nodes.payloads decides when to send and drop one).
 """
 from __future__ import annotations
 

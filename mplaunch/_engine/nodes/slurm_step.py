@@ -1,4 +1,4 @@
-"""Starting and ending a World's one step of node agents (_engine.agent): where SLURM
+"""Starting and ending a World's one step of node agents (_agent.agent): where SLURM
 is asked for it, how the launching process listens for the agents."""
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from . import servers, store
+from .. import servers, store
 
 log = logging.getLogger("mplaunch")
 
-AGENT_MODULE = "mplaunch._engine.agent"
+AGENT_MODULE = "mplaunch._agent.agent"
 
 
 class NodesError(RuntimeError):

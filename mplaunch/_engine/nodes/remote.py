@@ -1,10 +1,10 @@
 """The launching side of a World across nodes: its one step of node agents
-(_engine.agent, started by _engine.nodestep), the authenticated connection to each
-(_wire.auth, _wire.tunnel); RemoteSpawner (_engine.nodespawner), the spawner
+(_agent.agent, started by _engine.nodes.slurm_step), the authenticated connection to each
+(_wire.auth, _wire.tunnel); RemoteSpawner (_engine.nodes.spawner), the spawner
 that starts, signals and reaps ranks through them, uses it.
 
 Every remote rank gets the fds a local one gets (result channel, output pipes, stack
-socket): RemoteSpawner keeps the rank's ends, and the pump (_engine.nodepump) copies
+socket): RemoteSpawner keeps the rank's ends, and the pump (_engine.nodes.pump) copies
 between them and the node's connection, so the RankGroup, the heal and the relay that
 drive one node's ranks drive these, unchanged. Reports (started, exited, a lost node)
 reach the group in its own thread, through a queue and a pipe on its selector.
@@ -23,11 +23,11 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
-from .config import LaunchConfig
-from .nodepump import Pump
-from .nodestep import (NodesError, agent_argv, end_step, join_addr, listen,
+from ..config import LaunchConfig
+from .pump import Pump
+from .slurm_step import (NodesError, agent_argv, end_step, join_addr, listen,
                        srun_argv, start_srun_step)
-from .._wire import auth, tunnel
+from ..._wire import auth, tunnel
 
 log = logging.getLogger("mplaunch")
 __mplaunch_plumbing__ = True
@@ -93,7 +93,7 @@ class Hub:
         self.step: Optional[subprocess.Popen] = None
         self._step_log = None
         self.pump: Optional[Pump] = None
-        self.spawner = None  # the current group's (_engine.nodespawner), hears reports
+        self.spawner = None  # the current group's (_engine.nodes.spawner), hears reports
         self.dropped = 0     # connections that failed to prove themselves
 
     @property

@@ -21,8 +21,8 @@ import os
 import time
 from typing import Optional
 
-from .._wire.messages import Raised
-from ..errors import RankFailure, signal_name
+from ..._wire.messages import Raised
+from ...errors import RankFailure, signal_name
 
 log = logging.getLogger("mplaunch")
 TOKEN_ENV = "MPLAUNCH_TOKEN"

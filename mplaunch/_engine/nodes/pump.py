@@ -14,10 +14,10 @@ import threading
 import time
 from typing import Dict, List, Sequence
 
-from . import servers
-from .nodepayloads import NodePayloads
-from .._wire import linux, tunnel
-from .._wire.channel import FramedReader
+from .. import servers
+from .payloads import NodePayloads
+from ..._wire import linux, tunnel
+from ..._wire.channel import FramedReader
 
 log = logging.getLogger("mplaunch")
 __mplaunch_plumbing__ = True
@@ -163,7 +163,7 @@ class Pump:
 
     def _on_link(self, link) -> None:
         # `reading`/`heard`: the agent is alive and talking, however long a frame takes
-        # (a large result), which the liveness checks (_engine.remote) allow for.
+        # (a large result), which the liveness checks (_engine.nodes.remote) allow for.
         link.reading = True
         try:
             frame = tunnel.recv(link.sock)

@@ -1,10 +1,10 @@
 """A node's agent in a World across nodes: started once per node by the World's one
-SLURM step (``python -m mplaunch._engine.agent``), it connects back to the launching
+SLURM step (``python -m mplaunch._agent.agent``), it connects back to the launching
 process, proves it holds the World's secret (_wire.auth), and then starts, signals and
 reaps that node's ranks from a warm server of its own, as the launching process does on
 one node. Each rank's fds (its result channel, output pipes and stack socket) end here,
 and travel to the launching process as frames on the one connection (_wire.tunnel),
-where _engine.remote turns them back into fds: the launching process drives remote
+where _engine.nodes.remote turns them back into fds: the launching process drives remote
 ranks with the code that drives local ones.
 
 The agent runs only what an authenticated launching process sends; it reads its
@@ -23,9 +23,9 @@ import sys
 import time
 from typing import Dict, Optional
 
-from . import devices, servers, spawners
-from .env import allowed_cpus
-from .output import read_pipe
+from .._engine import devices, servers, spawners
+from .._engine.env import allowed_cpus
+from .._engine.output import read_pipe
 from .._wire import auth, linux, tunnel
 from .._wire.channel import FramedReader
 
@@ -123,7 +123,7 @@ class Agent:
 
     def _payload(self, _token, body) -> None:
         """A payload for this node's ranks, kept until the next one, a DROP or the
-        group's end (_engine.nodepayloads)."""
+        group's end (_engine.nodes.payloads)."""
         key, fd = body
         linux.close_quiet(self.payloads.pop(key, -1))
         self.payloads[key] = fd

@@ -18,8 +18,8 @@ import os
 import threading
 from typing import Callable, Dict, List, Tuple
 
-from . import servers
-from .._wire import tunnel
+from .. import servers
+from ..._wire import tunnel
 
 __mplaunch_plumbing__ = True
 
