@@ -23,6 +23,7 @@ from . import spawners
 from .failures import exited as exit_failure, gone_with_node, of_node, of_rank, raised
 from .config import LaunchConfig
 from .output import StreamRelay, read_pipe
+from .screen import screen_for
 from .ranks import RankState, drain_outputs
 from .signals import Waker
 from .._wire.channel import send_framed
@@ -58,6 +59,7 @@ class RankGroup:
         # log_dir's attempt_<n>; its failures' "[attempt N]": none in a World (no retries)
         self.number, self.attempt = attempt, 0 if any(s.serve for s in specs) else attempt
         self.payload_fd = payload_fd
+        self._sinks = None   # relay_to's last sinks and their screens (_relay_to)
         self._specs = list(specs)
         self.ranks: List[RankState] = [RankState(s) for s in specs]
         self._by_rank_logs = len({s.node_rank for s in specs}) > 1
@@ -199,10 +201,7 @@ class RankGroup:
 
     def relay_to(self, stdout, stderr) -> None:
         """Relay the ranks' output to these streams from now on."""
-        for r in self.ranks:
-            for relay, sink in ((r.out, stdout), (r.err, stderr)):
-                if relay is not None and relay.sink is not None:
-                    relay.retarget(sink)
+        self._sinks = _relay_to(self.ranks, self._sinks, (stdout, stderr))
 
     # -- waiting ---------------------------------------------------------------------
     def wait(self, timeout: Optional[float]) -> None:
@@ -367,6 +366,20 @@ class RankGroup:
         # result held by a rank's state) would live until the cycle collector runs.
         self.spawner.events = None
         self._sel.close()
+
+
+def _relay_to(ranks, last, sinks):
+    """Point the ranks' relays at `sinks` (stdout, stderr); (`sinks`, their screens),
+    for the next time. Each stream's screen is looked up once (a tty check and an
+    fstat), not once per rank's relay, and not again (`last`'s) while a World's calls
+    write to the same stream objects."""
+    if last is None or any(a is not b for a, b in zip(last[0], sinks)):
+        last = sinks, {id(s): screen_for(s) for s in sinks if s is not None}
+    for r in ranks:
+        for relay, sink in ((r.out, sinks[0]), (r.err, sinks[1])):
+            if relay is not None and relay.sink is not None:
+                relay.retarget(sink, last[1].get(id(sink)))
+    return last
 
 
 def _relay_pending(r: RankState, end_line: bool) -> None:

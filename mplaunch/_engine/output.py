@@ -87,19 +87,24 @@ class StreamRelay(OpenLine):
         self._prompts = False
         self._shown = None
 
-    def retarget(self, sink) -> None:
+    def retarget(self, sink, screen=None) -> None:
         """Relay to `sink` from now on (a World's run from another notebook cell, or
-        under another test's capture)."""
+        under another test's capture); `screen`: `sink`'s (screen_for), when the caller
+        has it already (a group retargets every rank's relay to the same two sinks)."""
         self.sink = sink
         self._bytes = _byte_sink(sink) if sink is not None else None
         # Bytes written under the text layer must show as soon as text would.
         self._flush_each = bool(getattr(sink, "line_buffering", False)
                                 or getattr(sink, "write_through", False))
-        if sink is not None and self._screen is None:
-            # Made with no sink (a World started before its first run): the first sink
-            # it gets decides its screen, or a progress bar would have none to draw on.
-            self._screen = _screen_for(sink)
-            self._screen.relays.append(weakref.ref(self))
+        if sink is None:
+            return
+        screen = screen if screen is not None else _screen_for(sink)
+        if screen is not self._screen:
+            # Another destination (the first one of a World started before its first
+            # run, another cell's, a test's capture): draw open lines on its screen.
+            self._leave_screen()
+            self._screen = screen
+            screen.relays.append(weakref.ref(self))
 
     # -- input ---------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
@@ -278,11 +283,15 @@ class StreamRelay(OpenLine):
                 self._write(self.prefix + last + b"\n")
         self._pending = bytearray()
         self._progress, self._state, self._drawn, self._open = False, b"", None, False
-        self._leave_screen()
+        # Its open line is over; it stays on its screen (a World's next call most often
+        # writes to the same one: retarget leaves it for another).
+        self._release()
 
     def close(self) -> None:
         """End of the stream: a last line without its newline is written as a line."""
         self.end_line()
+        with _LOCK:
+            self._leave_screen()
         if self.sink is not None:
             try:
                 self.sink.flush()
