@@ -9,5 +9,6 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 start=$SECONDS
 pip install -q --no-build-isolation deepspeed
-python -m pytest -p no:cacheprovider -q tests/test_frameworks.py -k deepspeed
+# -m "": the DeepSpeed test is marked slow, which pytest.ini leaves out of a plain run
+python -m pytest -p no:cacheprovider -q -m "" tests/test_frameworks.py -k deepspeed
 echo "== deepspeed: $((SECONDS - start)) s"

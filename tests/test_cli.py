@@ -186,6 +186,7 @@ def test_max_restarts_reports_every_attempt():
     assert any(line.startswith("earlier attempt 0: rank 1 ") for line in lines), explain(proc)
 
 
+@pytest.mark.slow
 def test_timeout_exits_124_with_stacks():
     proc = run_cli("-n", "2", *BARE, "--timeout", "8", "--grace-period", "1", "stuck.py")
     assert proc.returncode == 124, explain(proc)

@@ -300,6 +300,7 @@ def test_a_rank_no_interrupt_reaches_is_replaced_after_the_timeout():
 
 # -- item 8: pytest reuse keeps a world that healed ----------------------------------------
 
+@pytest.mark.slow
 def test_pytest_reuse_keeps_a_world_that_healed_after_a_failure_and_a_hang(pytester):
     from test_plugin import IDENTITY, _assert_all_gone, _inner_ini, _recorded_pids, \
         _run, _write_tests

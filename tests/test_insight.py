@@ -201,6 +201,7 @@ def test_world_stacks_while_another_thread_runs(tmp_path):
 
 # -- 2. grouped in a timeout's message -------------------------------------------------------
 
+@pytest.mark.slow
 def test_timeout_message_groups_identical_stacks():
     with pytest.raises(mplaunch.LaunchTimeout) as info:
         mplaunch.launch(barrier_but_rank_1_sleeps, nprocs=4, timeout=10, grace_period=1)

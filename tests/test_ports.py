@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import mplaunch
 
 PARALLEL = textwrap.dedent("""
@@ -25,6 +27,7 @@ PARALLEL = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_eight_launches_at_once_in_separate_processes_never_collide(tmp_path):
     script = tmp_path / "one.py"
     script.write_text(PARALLEL)

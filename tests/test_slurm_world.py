@@ -498,6 +498,7 @@ def test_after_a_nodes_server_was_killed_the_next_run_starts_fresh_ranks(world_r
 # -- a frozen node --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_run_with_a_frozen_node_ends_at_its_timeout(cluster):
     checks, out, jobs, procs = _run_script(cluster, "world_frozen_node.py", "run")
     run = checks["run"]
@@ -507,6 +508,7 @@ def test_a_run_with_a_frozen_node_ends_at_its_timeout(cluster):
     assert run["seconds"] < 12, run
 
 
+@pytest.mark.slow
 def test_close_with_a_frozen_node_returns_and_ends_the_step(cluster):
     checks, out, jobs, procs = _run_script(cluster, "world_frozen_node.py", "close")
     closed = checks["close"]

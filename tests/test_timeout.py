@@ -14,6 +14,7 @@ def one_rank_skips_the_barrier():
     dist.barrier()  # rank 0 waits here forever
 
 
+@pytest.mark.slow
 def test_timeout_reports_each_ranks_stack():
     with pytest.raises(mplaunch.LaunchTimeout) as info:
         mplaunch.launch(one_rank_skips_the_barrier, nprocs=2, timeout=20, grace_period=1)
