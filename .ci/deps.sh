@@ -36,7 +36,8 @@ TORCH_CPU=2.13.0          # the README's CPU build: the pickling jobs need a tor
 # (-m "": their slow tests too, which pytest.ini leaves out of a plain run)
 PICKLING_TESTS=(-m "" tests/test_pickler.py tests/test_errors.py tests/test_reports.py
                 tests/test_insight.py tests/test_user_main.py tests/test_crash_matrix.py
-                tests/test_plugin.py tests/test_plugin_reuse.py tests/test_notebook.py)
+                tests/test_plugin.py tests/test_plugin_reuse.py tests/test_notebook.py
+                tests/test_world_main.py tests/test_inputs.py)
 # The slow tests (tens of seconds each) run once, in the README job: what they prove
 # depends on mplaunch more than on the torch release.
 TORCH_TESTS=(-m "not no_torch and not slurm and not slow")
