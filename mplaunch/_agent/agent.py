@@ -167,6 +167,13 @@ class Agent:
             except OSError:
                 pass    # the rank is gone: its exit says so
 
+    def _unwatch(self, obj) -> None:
+        """Stop watching `obj`; one not watched (any more) is not an error."""
+        try:
+            self.sel.unregister(obj)
+        except (KeyError, ValueError):
+            pass
+
     def _watch_output(self, r: _Rank, which: str) -> None:
         try:
             self.sel.register(getattr(r, which), selectors.EVENT_READ,
@@ -242,10 +249,7 @@ class Agent:
         for obj in (r.reader.sock if r.reader is not None else None, r.out, r.err, r.stack):
             if obj is None:
                 continue
-            try:
-                self.sel.unregister(obj)
-            except (KeyError, ValueError):
-                pass
+            self._unwatch(obj)
         if r.reader is not None:
             r.reader.close()
             r.reader = None
@@ -262,10 +266,7 @@ class Agent:
         for data, fds in r.reader.read_available():
             self._send(tunnel.FROM_RANK, r.token, (data, tunnel.fd_contents(fds)))
         if r.reader.eof:
-            try:
-                self.sel.unregister(r.reader.sock)
-            except (KeyError, ValueError):
-                pass
+            self._unwatch(r.reader.sock)
 
     def _output(self, r: _Rank, which: str, wait: float = 0.0,
                 closing: bool = False) -> bool:
@@ -276,10 +277,7 @@ class Agent:
         if fd is None:
             return False
         if r.credit[which] <= 0 and not closing:
-            try:
-                self.sel.unregister(fd)
-            except (KeyError, ValueError):
-                pass
+            self._unwatch(fd)
             return False
         if wait:
             sel = selectors.DefaultSelector()
@@ -294,16 +292,10 @@ class Agent:
         self._send(tunnel.OUT if which == "out" else tunnel.ERR, r.token, chunk)
         r.credit[which] -= len(chunk)
         if chunk and r.credit[which] <= 0 and not closing:
-            try:
-                self.sel.unregister(fd)   # until the launching process catches up
-            except (KeyError, ValueError):
-                pass
+            self._unwatch(fd)   # until the launching process catches up
             return False
         if chunk == b"":
-            try:
-                self.sel.unregister(fd)
-            except (KeyError, ValueError):
-                pass
+            self._unwatch(fd)
             linux.close_quiet(fd)
             setattr(r, which, None)
             return False
@@ -316,10 +308,7 @@ class Agent:
             chunk = b""
         self._send(tunnel.FROM_STACK, r.token, chunk)
         if not chunk:
-            try:
-                self.sel.unregister(r.stack)
-            except (KeyError, ValueError):
-                pass
+            self._unwatch(r.stack)
 
     # the spawner's events (it reports to us as to a RankGroup)
     def started(self, token: int, pid: int) -> None:
