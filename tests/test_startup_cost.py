@@ -25,15 +25,20 @@ def busy_table():
     return made
 
 
+def _record_proc_net_opens(seen: list) -> None:
+    """From now on, every file this process opens under /proc/net goes into `seen`."""
+    def hook(event, args):
+        if event == "open" and isinstance(args[0], (str, bytes)) and \
+                "/proc/net" in os.fsdecode(args[0]):
+            seen.append(os.fsdecode(args[0]))
+    sys.addaudithook(hook)
+
+
 def watch_opens():
-    """In a rank: record every file opened under /proc/net from now on."""
+    """In a World's rank: record the files opened under /proc/net, once."""
     seen = mplaunch.rank_state().setdefault("proc_net", [])
     if not seen:
-        def hook(event, args):
-            if event == "open" and isinstance(args[0], (str, bytes)) and \
-                    "/proc/net" in os.fsdecode(args[0]):
-                seen.append(os.fsdecode(args[0]))
-        sys.addaudithook(hook)
+        _record_proc_net_opens(seen)
         seen.append(None)      # armed
     return True
 
@@ -45,11 +50,9 @@ def opened():
 def init_allreduce_destroy(watch):
     import torch
     import torch.distributed as dist
-    seen = []
+    seen: list = []
     if watch:
-        sys.addaudithook(lambda event, args: seen.append(os.fsdecode(args[0]))
-                         if event == "open" and isinstance(args[0], (str, bytes))
-                         and "/proc/net" in os.fsdecode(args[0]) else None)
+        _record_proc_net_opens(seen)
     dist.init_process_group("gloo")
     t = torch.ones(1)
     dist.all_reduce(t)
