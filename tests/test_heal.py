@@ -188,6 +188,27 @@ def test_a_collective_left_half_done_is_released_and_the_group_rebuilt(method):
         assert a == b
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_half_done_collective_is_released_with_openmp_threads_in_the_ranks(method):
+    # OMP_NUM_THREADS=2: the rank's torch.set_num_threads starts OpenMP threads before
+    # its first call; the release signal must be blocked in them too, or it kills the
+    # rank (a Ray worker's environment sets OMP_NUM_THREADS to its CPUs).
+    with mplaunch.World(2, backend="gloo", start_method=method,
+                        env={"OMP_NUM_THREADS": "2"}) as world:
+        assert world.run(omp_threads) == [2, 2]
+        pids = world.pids
+        with pytest.raises(mplaunch.WorkerError) as info:
+            world.run(raise_while_peer_waits_in_allreduce, timeout=300)
+        assert info.value.rank == 1 and "rebuilt" in info.value.healed, str(info.value)
+        assert world.pids == pids                        # released, not killed
+        assert world.run(allreduce_sum) == [3.0, 3.0]
+
+
+def omp_threads():
+    import torch
+    return torch.get_num_threads()
+
+
 def test_heal_false_tears_down_as_before():
     with mplaunch.World(2, heal=False, grace_period=1) as world:
         world.run(count_calls)

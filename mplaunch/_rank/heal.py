@@ -26,14 +26,23 @@ from . import endpoints, rendezvous, torchapi
 
 # -- release ---------------------------------------------------------------------------
 
+def block_release() -> None:
+    """Block RELEASE_SIGNAL in this (main) thread before any other thread exists, so
+    that every thread inherits the mask: the rank's first lines, before the spec is
+    applied (torch.set_num_threads there starts OpenMP's threads whenever
+    OMP_NUM_THREADS > 1; one of them, not blocking it, would die of the signal)."""
+    if RELEASE_SIGNAL is not None and hasattr(signal, "sigwait"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {RELEASE_SIGNAL})
+
+
 def arm_release() -> None:
-    """Block RELEASE_SIGNAL in this (main) thread, before any other thread exists so that
-    every thread inherits the mask, and start the thread that takes it."""
+    """Block RELEASE_SIGNAL (block_release, if it was not yet), and start the thread
+    that takes it."""
     sig = RELEASE_SIGNAL
     if sig is None or not hasattr(signal, "sigwait"):
         return
     endpoints.enable()   # only a rank that can be released notes its groups' sockets
-    signal.pthread_sigmask(signal.SIG_BLOCK, {sig})
+    block_release()
     t = threading.Thread(target=_release_loop, name="mplaunch-release", daemon=True)
     t.start()
 

@@ -126,6 +126,8 @@ def run_rank(spec, fds: dict, expected_ppid: int, forked_from_launcher: bool = F
         terminal = spec.terminal or {}
         _take_over_process(fds, expected_ppid, terminal,
                            unbuffered=bool(spec.env.get("PYTHONUNBUFFERED")))
+        if spec.serve:
+            heal.block_release()   # before _apply_spec starts any thread
         _apply_spec(spec, forked_from_launcher)
         code = _run_and_report(spec, fds)
     except _ChannelClosed as exc:

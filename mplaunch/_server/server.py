@@ -324,6 +324,9 @@ def main() -> None:
     os.set_inheritable(lifeline_fd, False)
     lifeline = socket.socket(fileno=lifeline_fd)
     linux.set_child_subreaper()
+    # A launching process's thread may block signals (a Ray worker's threads block
+    # SIGINT) and its children inherit the mask: the ranks must get their signals.
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
     for name in ("SIGINT", "SIGHUP", "SIGTERM", "SIGQUIT"):
         # The launching process decides when ranks stop; the server only dies with it.
         if name != "SIGTERM":
