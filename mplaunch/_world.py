@@ -47,7 +47,9 @@ class World:
     ``nnodes=M`` spans M nodes of this SLURM allocation (see :ref:`world-across-nodes`)
     with ``nprocs`` ranks on each, as ``launch(nprocs=, nnodes=)`` counts them:
     ``World(4, nnodes=2)`` has 8 ranks. ``size`` is the World's number of ranks,
-    ``nprocs`` the number on each node.
+    ``nprocs`` the number on each node. ``scheduler="ray"`` places the nodes on the Ray
+    cluster this process is connected to instead (see :ref:`world-on-ray`);
+    ``scheduler="slurm"`` names the SLURM allocation.
 
     Takes the keyword arguments of :func:`mplaunch.launch` (``timeout`` applies to each
     run), ``gpus=`` and ``cpus=`` included. The ranks start at the first ``run`` (or
@@ -80,8 +82,12 @@ class World:
         self._made_with = (backend, dict(options), starter)   # for restart(nnodes=)
         self.cfg: LaunchConfig
         nodes = None
-        if nnodes is not None and nnodes != 1:
-            self.cfg, nodes = _across_nodes(nprocs, nnodes, backend, options, starter)
+        if options.get("scheduler", 0) is None:
+            del options["scheduler"]       # today's choice: SLURM when nnodes > 1
+        scheduler = options.get("scheduler")
+        if scheduler is not None or (nnodes is not None and nnodes != 1):
+            self.cfg, nodes = _across_nodes(nprocs, 1 if nnodes is None else nnodes,
+                                            backend, options, starter)
         else:
             self.cfg = validate(procgroup.setup, (backend,), nprocs,
                                 dict(options, backend=backend))
@@ -294,10 +300,28 @@ def _outside_mplaunch() -> int:
 _NOT_USERS = ("mplaunch", "IPython")
 
 
+SCHEDULERS = ("slurm", "ray")
+
+
 def _across_nodes(nprocs, nnodes, backend, options, starter):
     """The configuration of a World of `nprocs` ranks on each of `nnodes` nodes of this
-    SLURM allocation, checked before anything starts."""
+    SLURM allocation (or Ray cluster), checked before anything starts."""
     from ._engine.nodes import slurm_step as nodestep
+    scheduler = options.pop("scheduler", None)
+    ray_resources = options.pop("ray_resources", None)
+    if scheduler is not None and scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler must be 'slurm' (the nodes of this SLURM allocation) "
+                         f"or 'ray' (the Ray cluster this process is connected to), got "
+                         f"{scheduler!r}")
+    if ray_resources is not None and scheduler != "ray":
+        raise TypeError("ray_resources= is what each node's bundle reserves on Ray; it "
+                        "needs scheduler='ray'")
+    if ray_resources is not None and not (
+            isinstance(ray_resources, Mapping) and all(
+                isinstance(k, str) and isinstance(v, (int, float))
+                and not isinstance(v, bool) and v >= 0 for k, v in ray_resources.items())):
+        raise ValueError(f"ray_resources must map resource names to amounts >= 0, like "
+                         f"{{'CPU': 4, 'GPU': 4}}, got {ray_resources!r}")
     if not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1:
         raise ValueError(f"nnodes must be an int >= 1 (the nodes of this allocation the "
                          f"World spans), got {nnodes!r}")
@@ -316,9 +340,20 @@ def _across_nodes(nprocs, nnodes, backend, options, starter):
                          "or 'spawn'")
     if options.get("stdin_rank") not in (None, 0):
         raise ValueError("across nodes no rank reads this terminal; leave stdin_rank out")
-    if starter is None:
+    address = options.pop("master_addr", None)
+    if scheduler == "ray" and starter is None:
+        from ._engine.nodes import ray_step
+        gpus_arg = options.get("gpus")
+        per_node = nprocs or (len(gpus_arg) if isinstance(gpus_arg, (list, tuple)) else 1)
+        bundle = ray_step.bundle_for(per_node, placement_args(
+            options.get("gpus"), options.get("cpus"))[0], ray_resources)
+        ray_step.connect()
+        ray_step.check_cluster(nnodes, bundle)
+        starter = ray_step.starter(bundle)
+        address = address or ray_step.driver_address()
+    elif starter is None:
         nodestep.check_allocation(nnodes)
-    address = options.pop("master_addr", None) or _this_host_address()
+    address = address or _this_host_address()
     if options.get("prefix", DEFAULT_PREFIX) == DEFAULT_PREFIX:
         options["prefix"] = NODES_PREFIX
     cfg = validate(procgroup.setup, (backend,), nprocs,

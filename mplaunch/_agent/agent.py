@@ -32,6 +32,9 @@ from .._wire.channel import FramedReader
 log = logging.getLogger("mplaunch.agent")
 ADDR_ENV = "MPLAUNCH_WORLD_ADDR"
 NODE_ENV = "MPLAUNCH_NODE_INDEX"
+NAME_ENV = "MPLAUNCH_NODE_NAME"
+SECRET_STDIN_ENV = "MPLAUNCH_WORLD_SECRET_STDIN"  # the secret comes down stdin instead
+PARENT_ENV = "MPLAUNCH_AGENT_PARENT"   # a process the agent ends with (a Ray actor's)
 
 
 def node_index(environ=os.environ) -> int:
@@ -45,7 +48,10 @@ def node_index(environ=os.environ) -> int:
 
 
 def node_name(environ=os.environ) -> str:
-    return environ.get("SLURMD_NODENAME") or socket.gethostname()
+    """What the output prefix and errors call this node: given by whoever started the
+    agent (on Ray, the node's id), else SLURM's node name, else the host name."""
+    return (environ.get(NAME_ENV) or environ.get("SLURMD_NODENAME")
+            or socket.gethostname())
 
 
 class _Rank:
@@ -73,13 +79,36 @@ class Agent:
         self.done = False
 
     # -- the loop --------------------------------------------------------------------
-    def serve(self) -> None:
+    def serve(self, parent: Optional[int] = None) -> None:
         self.sel.register(self.sock, selectors.EVENT_READ, self._on_front)
+        if parent is not None:
+            self._watch_parent(parent)
         while not self.done:
             for key, _ in self.sel.select():
                 key.data(key.fileobj)
                 if self.done:
                     break
+
+    def _watch_parent(self, pid: int) -> None:
+        """End with `pid` (the Ray actor that started this agent): Ray kills a dead
+        actor's process, and this agent, its server and its ranks go with it."""
+        try:
+            fd = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            fd = None
+        if fd is None or os.getppid() != pid:
+            if fd is not None:
+                os.close(fd)
+            if os.getppid() != pid:
+                log.error("mplaunch agent: the process that started it (pid %d) is gone",
+                          pid)
+                self.done = True
+            return
+
+        def parent_ended(_fd) -> None:
+            log.error("mplaunch agent: the process that started it (pid %d) ended", pid)
+            self.done = True
+        self.sel.register(fd, selectors.EVENT_READ, parent_ended)
 
     def _send(self, kind: int, token: int = 0, body=b"") -> None:
         try:
@@ -368,11 +397,17 @@ def main() -> int:
                         format=f"mplaunch agent on {node_name()}: %(message)s")
     # Taken before anything else starts: neither the server nor the ranks inherit it.
     secret = os.environ.pop(auth.SECRET_ENV, None)
+    if os.environ.pop(SECRET_STDIN_ENV, None) == "1":
+        secret = sys.stdin.readline().strip() or None   # never in any environment
     addr = os.environ.pop(ADDR_ENV, None)
+    parent = os.environ.pop(PARENT_ENV, None)
     if not secret or not addr:
         log.error("started without %s and %s in its environment: an agent is started "
                   "by mplaunch.World(nnodes=...), not by hand", auth.SECRET_ENV, ADDR_ENV)
         return 2
+    # Inherited from whoever started it (a Ray actor's thread blocks SIGINT): this
+    # agent, its server and its ranks take their signals.
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGHUP, _terminate)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the launching process decides
@@ -386,7 +421,7 @@ def main() -> int:
             "pid": os.getpid(), "environ": dict(os.environ), "cpus": allowed_cpus()}
     try:
         tunnel.send(sock, tunnel.HELLO, 0, info)
-        agent.serve()
+        agent.serve(int(parent) if parent and parent.isdigit() else None)
     finally:
         agent.close_group()
         sock.close()

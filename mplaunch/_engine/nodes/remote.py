@@ -210,7 +210,8 @@ class Hub:
             text = out.read()[-3000:].decode(errors="replace").strip()
         except (OSError, ValueError):
             text = ""
-        cmd = shlex.join(srun_argv(self.nnodes, agent_argv()))
+        cmd = getattr(self.step, "command", None) or shlex.join(
+            srun_argv(self.nnodes, agent_argv()))
         return (f"the step ({cmd}) printed:\n{text}" if text
                 else f"the step ({cmd}) printed nothing")
 
@@ -232,9 +233,13 @@ class Hub:
                 pass
             link.sock.close()
             link.lost = link.lost or "the World was closed"
+        step_id = self.step_id
         step, self.step = self.step, None
         if step is not None:
-            end_step(step, grace, self.step_id)
+            if hasattr(step, "end"):     # a scheduler's own (ray_step.RayStep)
+                step.end(grace)
+            else:
+                end_step(step, grace, step_id)
         if self._step_log is not None:
             self._step_log.close()
             self._step_log = None

@@ -1,0 +1,472 @@
+"""World(nprocs, nnodes=2, scheduler="ray") on a real two-node Ray cluster
+(ray.cluster_utils.Cluster: a head and a second raylet on this machine, one cluster for
+the module). Real actors, a real placement group, real gloo: the ranks' order and
+environment, the node ids in the output, stacks, every heal, a killed agent actor, a
+removed node, restart(nnodes=), foreign clients on the World's ports, and after every
+test: no actor, placement group or process of ours left on any node."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+import mplaunch  # noqa: E402
+from mplaunch._engine import servers as _procs  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.no_leak_check, pytest.mark.timeout(240)]
+
+NODE_CPUS = 4
+# What Ray Train (and torchrun) put in a worker's environment: never a World rank's.
+LEAKY = {"ROLE_NAME": "ray-train-worker", "TORCHELASTIC_RUN_ID": "ray-run",
+         "GROUP_WORLD_SIZE": "99", "MASTER_PORT": "1"}
+
+
+# -- the cluster, and nothing of ours left after each test ------------------------------
+
+@pytest.fixture(scope="module")
+def cluster():
+    saved = {k: os.environ.get(k) for k in LEAKY}
+    os.environ.update(LEAKY)          # the raylets, and so every worker, inherit these
+    c = None
+    try:
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": NODE_CPUS})
+        c.add_node(num_cpus=NODE_CPUS)
+        c.wait_for_nodes()
+        ray.init(address=c.address, log_to_driver=False)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        if c is not None:
+            c.shutdown()
+    left = _ours(timeout=10)
+    assert not left, f"processes of ours left after the cluster: {left}"
+
+
+def _ours(timeout=0.0):
+    """Processes of mplaunch (agents, their servers and ranks) below this process that
+    are not this process's own warm servers: on any node of the cluster."""
+    end = time.monotonic() + timeout
+    while True:
+        local = set(_procs.server_pids()) | set(_procs.idle_pool_pids())
+        found = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.pid in local or p.ppid() in local:
+                    continue
+                if p.status() == psutil.STATUS_ZOMBIE or "mplaunch" in " ".join(p.cmdline()):
+                    found.append((p.pid, p.status(), " ".join(p.cmdline())[:100]))
+            except psutil.Error:
+                continue
+        if not found or time.monotonic() > end:
+            return found
+        time.sleep(0.1)
+
+
+def _live_actors():
+    from ray._private import state
+    return [a for a in state.actors().values()
+            if a.get("State") != "DEAD" and "NodeAgent" in str(a.get("ActorClassName"))]
+
+
+def _live_groups():
+    return [g for g in ray.util.placement_group_table().values()
+            if g.get("state") not in ("REMOVED",)]
+
+
+@pytest.fixture(autouse=True)
+def nothing_left(cluster):
+    yield
+    end = time.monotonic() + 20
+    while (_live_actors() or _live_groups()) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not _live_actors(), _live_actors()
+    assert not _live_groups(), _live_groups()
+    left = _ours(timeout=10)
+    assert not left, f"test left processes of ours on the cluster's nodes: {left}"
+
+
+def world(**options):
+    options.setdefault("backend", "gloo")
+    return mplaunch.World(2, nnodes=2, scheduler="ray", **options)
+
+
+def ray_node_ids():
+    return sorted(n["NodeID"][:8] for n in ray.nodes() if n["Alive"])
+
+
+# -- what the ranks run -------------------------------------------------------------------
+
+def whoami():
+    import torch.distributed as dist
+    keys = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+            "MPLAUNCH_NODE_NAME", "MPLAUNCH_WORLD_SECRET", "MPLAUNCH_WORLD_ADDR",
+            "MPLAUNCH_WORLD_SECRET_STDIN", *LEAKY)
+    return ({k: os.environ.get(k) for k in keys}, os.getpid(), dist.get_rank(),
+            dist.get_world_size())
+
+
+def allreduce_sum():
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def count_calls():
+    g = globals()
+    g["_calls"] = g.get("_calls", 0) + 1
+    return g["_calls"]
+
+
+def say(word):
+    rank = os.environ["RANK"]
+    print("out", word, rank, flush=True)
+    print("err", word, rank, file=sys.stderr, flush=True)
+    return rank
+
+
+def fail_in_rank_three():
+    count_calls()
+    if os.environ["RANK"] == "3":
+        raise ValueError("three")
+    return "ok"
+
+
+def die_in_rank_three():
+    if os.environ["RANK"] == "3":
+        os._exit(3)
+    return allreduce_sum()
+
+
+def half_done_collective():
+    """Ranks 0-2 enter an all_reduce that rank 3 never joins: it raises instead."""
+    if os.environ["RANK"] == "3":
+        time.sleep(0.5)
+        raise ValueError("rank 3 left the all_reduce")
+    return allreduce_sum()
+
+
+def sleep_in_rank_three(path):
+    if os.environ["RANK"] == "3":
+        open(os.path.join(path, "sleeping"), "w").close()
+        time.sleep(300)
+    return "awake"
+
+
+def wait_for_file(path):
+    open(os.path.join(path, f"in.{os.environ['RANK']}"), "w").close()
+    while not os.path.exists(os.path.join(path, "go")):
+        time.sleep(0.02)
+    return "went"
+
+
+def _wait_for(paths, timeout=60):
+    end = time.monotonic() + timeout
+    while not all(os.path.exists(p) for p in paths):
+        assert time.monotonic() < end, f"never appeared: {paths}"
+        time.sleep(0.02)
+
+
+# -- order, environment, node ids, output, stacks, close ---------------------------------
+
+def test_ranks_in_global_order_on_their_ray_nodes_with_their_own_env(capfd):
+    w = world()
+    try:
+        results = w.run(whoami)
+        names = [n["name"] for n in w.nodes]
+        # keyed by Ray node id: the two raylets share this machine's name and address
+        assert sorted(names) == ray_node_ids() and len(set(names)) == 2
+        for rank, (env, pid, grank, gsize) in enumerate(results):
+            node, local = divmod(rank, 2)
+            assert env == {
+                "RANK": str(rank), "LOCAL_RANK": str(local), "NODE_RANK": str(node),
+                "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+                "MPLAUNCH_NODE_NAME": names[node],
+                # the secret and the agents' address stay with the agent
+                "MPLAUNCH_WORLD_SECRET": None, "MPLAUNCH_WORLD_ADDR": None,
+                "MPLAUNCH_WORLD_SECRET_STDIN": None,
+                # Ray's workers' launcher variables do not reach the ranks: each has
+                # mplaunch's own value
+                **{k: env[k] for k in LEAKY}}, (rank, env)
+            assert all(env[k] != v for k, v in LEAKY.items()), env
+            assert (grank, gsize) == (rank, 4) and w.pids[rank] == pid
+        assert len(_live_actors()) == 2 and len(_live_groups()) == 1
+        assert w.run(allreduce_sum) == [10.0] * 4
+        assert w.run(count_calls) == [1] * 4
+        assert w.run(count_calls) == [2] * 4       # the same processes, their globals
+        capfd.readouterr()
+        assert w.run(say, ("hi",)) == ["0", "1", "2", "3"]
+        out, err = capfd.readouterr()
+        for rank in range(4):
+            assert f"[{names[rank // 2]} rank{rank}]: out hi {rank}\n" in out, out
+            assert f"[{names[rank // 2]} rank{rank}]: err hi {rank}\n" in err, err
+        stacks = w.stacks()
+        assert sorted(stacks) == [0, 1, 2, 3]
+        # one placement group and the same two actors for the World's life
+        assert len(_live_actors()) == 2 and len(_live_groups()) == 1
+    finally:
+        w.close()
+    assert w.pids == {} and w.nodes == []
+
+
+def test_stacks_from_another_thread_while_every_rank_is_in_a_call(tmp_path):
+    with world() as w:
+        seen = {}
+
+        def ask():
+            try:
+                _wait_for([tmp_path / f"in.{r}" for r in range(4)])
+                seen.update(w.stacks())
+            finally:
+                (tmp_path / "go").touch()
+
+        t = threading.Thread(target=ask)
+        t.start()
+        try:
+            assert w.run(wait_for_file, (str(tmp_path),), timeout=60) == ["went"] * 4
+        finally:
+            t.join()
+        assert sorted(seen) == [0, 1, 2, 3]
+        assert all("wait_for_file" in seen[r] for r in range(4)), seen
+
+
+# -- every heal ---------------------------------------------------------------------------
+
+def test_an_exception_keeps_the_world_and_names_the_node():
+    with world() as w:
+        assert w.run(count_calls) == [1] * 4
+        pids, agents = w.pids, [n["agent_pid"] for n in w.nodes]
+        with pytest.raises(mplaunch.WorkerError) as info:
+            w.run(fail_in_rank_three)
+        err = info.value
+        assert err.rank == 3 and type(err.__cause__) is ValueError
+        assert w.nodes[1]["name"] in str(err) and "world was kept" in str(err), str(err)
+        assert w.pids == pids and [n["agent_pid"] for n in w.nodes] == agents
+        assert w.run(count_calls) == [3] * 4
+        assert w.run(allreduce_sum) == [10.0] * 4
+
+
+def test_a_half_done_collective_is_released_and_the_group_rebuilt():
+    with world() as w:
+        assert w.run(allreduce_sum) == [10.0] * 4
+        pids = w.pids
+        with pytest.raises(mplaunch.WorkerError) as info:
+            w.run(half_done_collective, timeout=120)
+        assert info.value.rank == 3, str(info.value)
+        assert w.pids == pids                      # released, not replaced
+        assert w.run(allreduce_sum) == [10.0] * 4
+
+
+def test_a_dead_rank_is_replaced_on_its_own_node():
+    with world(grace_period=2) as w:
+        assert w.run(count_calls) == [1] * 4
+        pids, agents = w.pids, [n["agent_pid"] for n in w.nodes]
+        with pytest.raises(mplaunch.WorkerError) as info:
+            w.run(die_in_rank_three, timeout=120)
+        err = info.value
+        assert err.rank == 3 and err.exitcode == 3, str(err)
+        assert "replaced" in err.healed, err.healed
+        assert w.pids[3] != pids[3] and w.fresh_ranks == [3]
+        assert [n["agent_pid"] for n in w.nodes] == agents
+        assert agents[1] in [p.pid for p in psutil.Process(w.pids[3]).parents()]
+        assert w.run(count_calls)[3] == 1
+        assert w.run(allreduce_sum) == [10.0] * 4
+
+
+def test_a_timeout_keeps_the_world(tmp_path):
+    with world(grace_period=3) as w:
+        assert w.run(count_calls) == [1] * 4
+        pids = w.pids
+        with pytest.raises(mplaunch.LaunchTimeout) as info:
+            w.run(sleep_in_rank_three, (str(tmp_path),), timeout=3)
+        assert "sleep_in_rank_three" in info.value.stacks[3], info.value.stacks
+        assert w.pids == pids
+        assert w.run(count_calls) == [2] * 4
+
+
+def test_an_interrupt_reaches_every_node_and_keeps_the_world(tmp_path):
+    with world(grace_period=3) as w:
+        assert w.run(count_calls) == [1] * 4
+        pids = w.pids
+
+        def interrupt():
+            _wait_for([tmp_path / f"in.{r}" for r in range(4)])
+            os.kill(os.getpid(), signal.SIGINT)
+
+        t = threading.Thread(target=interrupt)
+        t.start()
+        try:
+            with pytest.raises(KeyboardInterrupt) as info:
+                w.run(wait_for_file, (str(tmp_path),), timeout=60)
+        finally:
+            t.join()
+        assert "kept" in str(info.value), str(info.value)
+        assert w.pids == pids
+        assert w.run(count_calls) == [2] * 4
+        assert w.run(allreduce_sum) == [10.0] * 4
+
+
+# -- a lost agent, a lost node ----------------------------------------------------------
+
+def _agent_actors():
+    from ray._private import state
+    return [a for a in state.actors().values()
+            if a.get("State") == "ALIVE" and "NodeAgent" in str(a.get("ActorClassName"))]
+
+
+def test_a_killed_agent_actor_names_its_node_leaves_nothing_and_the_next_run_starts_again():
+    with world(grace_period=2) as w:
+        assert w.run(count_calls) == [1] * 4
+        names = [n["name"] for n in w.nodes]
+        ranks = dict(w.pids)
+        # the actor in node 1's bundle, as Ray sees it
+        victim = [a for a in _agent_actors()
+                  if a["Address"]["NodeID"][:8] == names[1]]
+        assert len(victim) == 1, _agent_actors()
+        agent = psutil.Process(w.nodes[1]["agent_pid"])
+        os.kill(victim[0]["Pid"], signal.SIGKILL)
+        # the agent goes with its actor (Ray ends the actor's process group; the agent
+        # also watches the actor's pid)
+        assert not psutil.wait_procs([agent], timeout=20)[1]
+        with pytest.raises(mplaunch.WorkerError) as info:
+            w.run(count_calls, timeout=60)
+        msg = str(info.value)
+        assert names[1] in msg and "lost" in msg, msg
+        # every rank of the World went, on both nodes
+        gone = psutil.wait_procs([psutil.Process(p) for p in ranks.values()
+                                  if psutil.pid_exists(p)], timeout=20)[1]
+        assert not gone, gone
+        assert w.run(count_calls) == [1] * 4      # a new placement, fresh ranks
+        assert w.run(allreduce_sum) == [10.0] * 4
+
+
+def test_restart_re_forms_the_world_on_one_node_then_two():
+    with world() as w:
+        assert w.run(allreduce_sum) == [10.0] * 4
+        w.restart(nnodes=1)
+        assert (w.nprocs, w.nnodes, w.size, len(w.nodes)) == (2, 1, 2, 1)
+        assert w.run(allreduce_sum) == [3.0, 3.0]
+        assert len(_live_actors()) == 1
+        w.restart(nnodes=2, nprocs=1)
+        assert (w.nprocs, w.nnodes, w.size) == (1, 2, 2)
+        assert w.run(allreduce_sum) == [3.0, 3.0]
+        assert len({n["name"] for n in w.nodes}) == 2
+
+
+# -- only its owner gets in -----------------------------------------------------------------
+
+def _poke(host, port, data):
+    try:
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.sendall(data)
+            s.settimeout(2)
+            try:
+                return s.recv(100)
+            except OSError:
+                return b""
+    except OSError:
+        return None
+
+
+def test_foreign_clients_on_every_port_the_world_opens_run_nothing(tmp_path):
+    import pickle
+    marker = tmp_path / "pwned"
+    evil = pickle.dumps(eval, protocol=2)[:-1] + b"X"   # a pickle, not a valid one
+    payload = (b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR.")
+    with world() as w:
+        assert w.run(allreduce_sum) == [10.0] * 4
+        pids = list(w.pids.values())
+        ports = set()
+        for pid in pids + [n["agent_pid"] for n in w.nodes]:
+            for c in psutil.Process(pid).net_connections("tcp"):
+                if c.status == "LISTEN":
+                    ports.add((c.laddr.ip, c.laddr.port))
+        assert ports
+        for host, port in sorted(ports):
+            host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+            for data in (payload, evil, b"\x00" * 64):
+                _poke(host, port, data)
+        assert not marker.exists()
+        assert w.run(allreduce_sum) == [10.0] * 4
+        assert w.pids == dict(enumerate(pids))
+
+
+# -- bad input, before anything starts ----------------------------------------------------
+
+def test_bad_scheduler_arguments_are_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="scheduler must be 'slurm'.*or 'ray'"):
+        mplaunch.World(2, nnodes=2, scheduler="k8s")
+    with pytest.raises(TypeError, match="needs scheduler='ray'"):
+        mplaunch.World(2, nnodes=2, ray_resources={"CPU": 1})
+    with pytest.raises(ValueError, match="ray_resources must map"):
+        mplaunch.World(2, nnodes=2, scheduler="ray", ray_resources={"CPU": -1})
+    with pytest.raises(ValueError, match=r"needs 3 nodes with \{CPU: 2\} each, and this "
+                                         r"Ray cluster has 2 of its 2 live node"):
+        mplaunch.World(2, nnodes=3, scheduler="ray")
+    with pytest.raises(ValueError, match=r"needs 2 nodes with \{CPU: 9\}"):
+        mplaunch.World(9, nnodes=2, scheduler="ray")
+    assert not _live_actors() and not _live_groups()
+
+
+def test_a_driver_connected_to_no_cluster_is_told_how_to_connect(tmp_path):
+    code = ("import mplaunch\n"
+            "try:\n"
+            "    mplaunch.World(2, nnodes=2, scheduler='ray')\n"
+            "except RuntimeError as e:\n"
+            "    print('REFUSED', e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert "REFUSED" in out.stdout and "ray.init(address=" in out.stdout, out
+
+
+# -- last: a node removed from the cluster ------------------------------------------------
+
+def test_a_removed_node_names_it_and_the_next_run_places_the_world_again(cluster):
+    spare = cluster.add_node(num_cpus=NODE_CPUS)
+    cluster.wait_for_nodes()
+    if True:
+        with world(grace_period=2) as w:
+            assert w.run(count_calls) == [1] * 4
+            names = [n["name"] for n in w.nodes]
+            spare_id = spare.node_id[:8]
+            if spare_id not in names:
+                # the World is on the head and the first worker: remove the worker
+                victim = [n for n in cluster.worker_nodes
+                          if n.node_id[:8] in names and n is not spare][0]
+            else:
+                victim = spare
+            vid = victim.node_id[:8]
+            ranks = dict(w.pids)
+            agent = psutil.Process(w.nodes[names.index(vid)]["agent_pid"])
+            cluster.remove_node(victim, allow_graceful=False)
+            assert not psutil.wait_procs([agent], timeout=30)[1]
+            with pytest.raises(mplaunch.WorkerError) as info:
+                w.run(count_calls, timeout=60)
+            msg = str(info.value)
+            assert vid in msg and "lost" in msg, msg
+            gone = psutil.wait_procs([psutil.Process(p) for p in ranks.values()
+                                      if psutil.pid_exists(p)], timeout=20)[1]
+            assert not gone, gone
+            assert w.run(count_calls) == [1] * 4      # re-placed on the nodes left
+            assert vid not in [n["name"] for n in w.nodes]
+            assert w.run(allreduce_sum) == [10.0] * 4
+    # the spare (or the node it replaced) keeps the module's cluster at two live nodes
