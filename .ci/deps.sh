@@ -15,6 +15,8 @@
 #                    torch but the SLURM ones (the README's run starts that cluster)
 #   torch-floor      the lowest torch setup.cfg admits (2.1.2, with numpy<2, which it
 #                    was built against), the same tests
+#   ray-floor        the lowest Ray the extra mplaunch[ray] admits, with the tests marked
+#                    ray (the README's environment runs them with the newest)
 #
 # A job that fails fails this step (exit 1), after every job has run.
 # MPLAUNCH_DEPS_JOBS="pickling-floor torch-floor" runs only the jobs named.
@@ -29,6 +31,7 @@ trap 'rm -rf "$work"' EXIT
 CLOUDPICKLE_FLOOR=2.2.0
 TBLIB_FLOOR=3.0.0
 TORCH_FLOOR=2.1.2
+RAY_FLOOR=2.10.0
 TORCH_CPU=2.13.0          # the README's CPU build: the pickling jobs need a torch, not this one
 
 # The tests that ship code, results and exceptions between processes and show their
@@ -42,7 +45,7 @@ PICKLING_TESTS=(-m "" tests/test_pickler.py tests/test_errors.py tests/test_repo
 # depends on mplaunch more than on the torch release.
 TORCH_TESTS=(-m "not no_torch and not slurm and not slow")
 
-jobs_wanted=${MPLAUNCH_DEPS_JOBS:-pickling-floor pickling-newest torch-newest torch-floor}
+jobs_wanted=${MPLAUNCH_DEPS_JOBS:-pickling-floor pickling-newest torch-newest torch-floor ray-floor}
 failed=()
 summary=()
 
@@ -65,7 +68,7 @@ run_job() {  # run_job NAME "pip install steps, ;-separated" PYTEST_ARGS...
         done
         python - <<'EOF'
 import importlib.metadata as md, sys
-names = ["torch", "cloudpickle", "tblib", "pytest", "numpy", "ipykernel", "ipython"]
+names = ["torch", "cloudpickle", "tblib", "pytest", "numpy", "ipykernel", "ipython", "ray"]
 def version(n):
     try:
         return md.version(n)
@@ -106,6 +109,10 @@ run_job torch-newest \
 run_job torch-floor \
     "pip install torch==$TORCH_FLOOR 'numpy<2'; pip install -e '.[test]'" \
     "${TORCH_TESTS[@]}"
+
+run_job ray-floor \
+    "pip install torch==$TORCH_CPU; pip install -e '.[test]' ray==$RAY_FLOOR" \
+    -m ray
 
 echo "== deps: summary (job, seconds, result, pytest counts | versions)"
 printf '   %s\n' "${summary[@]}"

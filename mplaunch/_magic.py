@@ -88,7 +88,12 @@ def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                             f"last size, else {DEFAULT_NPROCS})")
     start.add_argument("--nodes", type=int, default=None, metavar="M",
                        help="run NPROCS ranks on each of M nodes of this SLURM "
-                            "allocation, NPROCS * M in all (default 1)")
+                            "allocation (or Ray cluster: --scheduler ray), NPROCS * M in "
+                            "all (default 1)")
+    start.add_argument("--scheduler", default=None, choices=("slurm", "ray"),
+                       help="with --nodes: where the nodes come from: slurm (this "
+                            "allocation, the default) or ray (the Ray cluster this kernel "
+                            "is connected to: ray.init(address=...) or RAY_ADDRESS)")
     start.add_argument("--master-addr", default=None,
                        help="with --nodes: this machine's address that the nodes reach "
                             "(default: its host name's)")
@@ -226,7 +231,8 @@ class _Ranks:
             if args.nodes < 1:
                 raise _Usage(f"%ranks start: --nodes must be at least 1, got {args.nodes}")
             settings["nnodes"] = args.nodes
-        for key in ("timeout", "grace_period", "log_dir", "heal", "master_addr"):
+        for key in ("timeout", "grace_period", "log_dir", "heal", "master_addr",
+                    "scheduler"):
             value = getattr(args, key)
             if value is not None:
                 settings[key] = value

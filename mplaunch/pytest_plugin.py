@@ -53,7 +53,9 @@ random number generators' states as they were at its first test.
 ``nnodes=M`` (with ``reuse=True``), or ``MPLAUNCH_TEST_NNODES=M`` in the environment for
 every reuse test, runs the World across M nodes of the SLURM allocation the session
 runs in, with ``nprocs`` ranks on each node (``nprocs * M`` in all), as ``launch`` and
-:class:`mplaunch.World` count them.
+:class:`mplaunch.World` count them. ``scheduler="ray"`` (or
+``MPLAUNCH_TEST_SCHEDULER=ray``) takes the nodes from the Ray cluster the session is
+connected to (``RAY_ADDRESS``, or ``ray.init`` in a conftest) instead.
 """
 from __future__ import annotations
 
@@ -73,7 +75,8 @@ _MARKER_HELP = (
     "the test body in nprocs ranks with torch.distributed initialised (backend=None: "
     "not); nprocs=[1, 2, 4]: once per size; reuse=True: in ranks kept up for the next "
     "test of the same options (with nnodes=M, or MPLAUNCH_TEST_NNODES=M: across M nodes "
-    "of the SLURM allocation, nprocs ranks on each); the other keywords (gpus=, cpus=, "
+    "of the SLURM allocation, nprocs ranks on each; scheduler='ray': of the Ray cluster); "
+    "the other keywords (gpus=, cpus=, "
     "...) go to "
     "mplaunch.launch; a test needing more GPUs than the machine has is skipped")
 
@@ -187,11 +190,16 @@ def _marker_options(item) -> dict:
         except ValueError:
             raise pytest.UsageError(f"MPLAUNCH_TEST_NNODES must be an int, got "
                                     f"{nodes_env!r}") from None
-    if opts.get("nnodes") not in (None, 1) and not opts.get("reuse"):
+    scheduler_env = os.environ.get("MPLAUNCH_TEST_SCHEDULER")
+    if opts.get("scheduler") is None and opts.get("nnodes") not in (None, 1) \
+            and scheduler_env:
+        opts["scheduler"] = scheduler_env
+    if (opts.get("nnodes") not in (None, 1) or opts.get("scheduler")) \
+            and not opts.get("reuse"):
         raise pytest.UsageError(
             f"{item.nodeid}: nnodes={opts['nnodes']} runs the test in a World across the "
-            "nodes of this SLURM allocation, which is kept for the next tests: mark it "
-            "reuse=True too")
+            "nodes of this SLURM allocation (or Ray cluster: scheduler='ray'), which is "
+            "kept for the next tests: mark it reuse=True too")
     return opts
 
 

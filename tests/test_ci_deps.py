@@ -47,6 +47,17 @@ def test_each_floor_ci_tests_is_the_one_setup_cfg_claims(package, var):
     assert tested[:len(claimed)] == claimed, (package, claimed, tested)
 
 
+def test_the_ray_floor_ci_tests_is_the_one_the_extra_claims():
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    lines = cfg["options.extras_require"]["ray"].split("\n")
+    floors = [m.group(1) for m in (re.fullmatch(r"\s*ray>=([0-9.]+)\s*", line)
+                                   for line in lines) if m]
+    assert len(floors) == 1, lines
+    claimed, tested = _release(floors[0]), _release(_script_var("RAY_FLOOR"))
+    assert tested[:len(claimed)] == claimed, (claimed, tested)
+
+
 def test_the_script_parses_and_ci_runs_it():
     subprocess.run(["bash", "-n", SCRIPT], check=True)
     with open(os.path.join(ROOT, ".ci", "run")) as f:
