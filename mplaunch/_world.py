@@ -356,10 +356,15 @@ def _across_nodes(nprocs, nnodes, backend, options, starter):
     address = address or _this_host_address()
     if options.get("prefix", DEFAULT_PREFIX) == DEFAULT_PREFIX:
         options["prefix"] = NODES_PREFIX
-    cfg = validate(procgroup.setup, (backend,), nprocs,
-                   dict(options, backend=backend, stdin_rank=None, master_addr=address))
-    cfg = dataclasses.replace(cfg, nnodes=nnodes, node_rank=0)
     gpus, cpus = placement_args(options.get("gpus"), options.get("cpus"))
+    if nprocs is None and isinstance(gpus, (list, tuple)):
+        nprocs = len(gpus)
+    # Each node places its own ranks on its own GPUs and CPUs (its agent, at start): this
+    # machine's, which may have none (a Ray head pod, a login node), are not asked.
+    cfg = validate(procgroup.setup, (backend,), nprocs,
+                   dict(options, backend=backend, stdin_rank=None, master_addr=address,
+                        gpus=None, cpus=None))
+    cfg = dataclasses.replace(cfg, nnodes=nnodes, node_rank=0)
     return cfg, NodesPlan(nnodes, address, gpus, cpus, starter, options.get("env"))
 
 

@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.no_leak_check, pytest.mark.timeout(24
               pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
 NODE_CPUS = 4
+NODE_GPUS = 3
 # What Ray Train (and torchrun) put in a worker's environment: never a World rank's.
 LEAKY = {"ROLE_NAME": "ray-train-worker", "TORCHELASTIC_RUN_ID": "ray-run",
          "GROUP_WORLD_SIZE": "99", "MASTER_PORT": "1"}
@@ -42,8 +43,10 @@ def cluster():
     os.environ.update(LEAKY)          # the raylets, and so every worker, inherit these
     c = None
     try:
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": NODE_CPUS})
-        c.add_node(num_cpus=NODE_CPUS)
+        # GPUs as Ray counts them (a resource it hands out by index): no real GPU needed
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": NODE_CPUS,
+                                                          "num_gpus": NODE_GPUS})
+        c.add_node(num_cpus=NODE_CPUS, num_gpus=NODE_GPUS)
         c.wait_for_nodes()
         ray.init(address=c.address, log_to_driver=False)
     finally:
@@ -251,6 +254,25 @@ def test_stacks_from_another_thread_while_every_rank_is_in_a_call(tmp_path):
         assert all("wait_for_file" in seen[r] for r in range(4)), seen
 
 
+def visible_gpus():
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_gpus_per_rank_are_the_ones_ray_assigned_each_nodes_bundle():
+    with world(gpus="per-rank") as w:
+        seen = w.run(visible_gpus)
+        bundles = [g["bundles"] for g in ray.util.placement_group_table().values()
+                   if g.get("state") == "CREATED"]
+        assert bundles == [{0: {"CPU": 2.0, "GPU": 2.0}, 1: {"CPU": 2.0, "GPU": 2.0}}]
+        # one GPU each, two different ones on each node, of the node's three
+        for node in (0, 1):
+            mine = seen[2 * node:2 * node + 2]
+            assert all(g is not None and g.isdigit() and int(g) < NODE_GPUS
+                       for g in mine), seen
+            assert mine[0] != mine[1], seen
+        assert w.run(allreduce_sum) == [10.0] * 4     # gloo: the GPUs are only placed
+
+
 # -- every heal ---------------------------------------------------------------------------
 
 def test_an_exception_keeps_the_world_and_names_the_node():
@@ -453,7 +475,7 @@ def _id(node):
 # -- last: a node removed from the cluster ------------------------------------------------
 
 def test_a_removed_node_names_it_and_the_next_run_places_the_world_again(cluster):
-    spare = cluster.add_node(num_cpus=NODE_CPUS)
+    spare = cluster.add_node(num_cpus=NODE_CPUS, num_gpus=NODE_GPUS)
     cluster.wait_for_nodes()
     if True:
         with world(grace_period=2) as w:
