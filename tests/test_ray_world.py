@@ -7,6 +7,7 @@ test: no actor, placement group or process of ours left on any node."""
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -398,40 +399,65 @@ def test_restart_re_forms_the_world_on_one_node_then_two():
 
 # -- only its owner gets in -----------------------------------------------------------------
 
-def _poke(host, port, data):
-    try:
-        with socket.create_connection((host, port), timeout=5) as s:
-            s.sendall(data)
-            s.settimeout(2)
-            try:
-                return s.recv(100)
-            except OSError:
-                return b""
-    except OSError:
-        return None
+class _Boom:
+    """Unpickling this makes a file: whoever unpickles what a stranger sent runs code."""
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
 
 
-def test_foreign_clients_on_every_port_the_world_opens_run_nothing(tmp_path):
-    import pickle
-    marker = tmp_path / "pwned"
-    evil = pickle.dumps(eval, protocol=2)[:-1] + b"X"   # a pickle, not a valid one
-    payload = (b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR.")
+def master_addr_port():
+    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+
+def _junk(marker):
+    return (pickle.dumps(_Boom(marker)), os.urandom(4096), b"")
+
+
+def test_foreign_clients_on_every_port_the_world_opens_run_nothing(tmp_path, monkeypatch):
+    from mplaunch._engine.nodes import ray_step
+    marker = tmp_path / "unpickled"
+    real = ray_step.starter
+
+    def junk_first(bundle):
+        start = real(bundle)
+
+        def wrapped(agent_argv, env, nnodes, output):
+            # the agents' port, while the World starts: strangers before the agents
+            host, _, port = env["MPLAUNCH_WORLD_ADDR"].rpartition(":")
+            for junk in _junk(marker)[:2]:
+                with socket.create_connection((host.strip("[]"), int(port)), 5) as c:
+                    c.sendall(junk)
+            return start(agent_argv, env, nnodes, output)
+        return wrapped
+
+    monkeypatch.setattr(ray_step, "starter", junk_first)
     with world() as w:
         assert w.run(allreduce_sum) == [10.0] * 4
-        pids = list(w.pids.values())
-        ports = set()
-        for pid in pids + [n["agent_pid"] for n in w.nodes]:
+        assert w._engine.hub.dropped == 2
+        pids = dict(w.pids)
+        # every other port: the store's (this process), each agent's and rank's
+        ports = {w.run(master_addr_port)[0]}
+        for pid in list(pids.values()) + [n["agent_pid"] for n in w.nodes]:
             for c in psutil.Process(pid).net_connections("tcp"):
                 if c.status == "LISTEN":
-                    ports.add((c.laddr.ip, c.laddr.port))
-        assert ports
+                    host = c.laddr.ip
+                    ports.add(("127.0.0.1" if host in ("0.0.0.0", "::") else host,
+                               c.laddr.port))
+        assert len(ports) >= 5, ports
         for host, port in sorted(ports):
-            host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-            for data in (payload, evil, b"\x00" * 64):
-                _poke(host, port, data)
-        assert not marker.exists()
+            for junk in _junk(marker):
+                with socket.create_connection((host, port), timeout=5) as c:
+                    c.sendall(junk)
+                    time.sleep(0.05)
         assert w.run(allreduce_sum) == [10.0] * 4
-        assert w.pids == dict(enumerate(pids))
+        assert w.pids == pids
+        with pytest.raises(mplaunch.WorkerError):      # a heal still releases and rebuilds
+            w.run(fail_in_rank_three)
+        assert w.run(allreduce_sum) == [10.0] * 4
+    assert not marker.exists()
 
 
 # -- bad input, before anything starts ----------------------------------------------------
