@@ -1,5 +1,6 @@
 """A node's agent in a World across nodes: started once per node by the World's one
-SLURM step (``python -m mplaunch._agent.agent``), it connects back to the launching
+SLURM step, or by the World's actor on that Ray node (``python -m
+mplaunch._agent.agent``), it connects back to the launching
 process, proves it holds the World's secret (_wire.auth), and then starts, signals and
 reaps that node's ranks from a warm server of its own, as the launching process does on
 one node. Each rank's fds (its result channel, output pipes and stack socket) end here,
@@ -8,9 +9,10 @@ where _engine.nodes.remote turns them back into fds: the launching process drive
 ranks with the code that drives local ones.
 
 The agent runs only what an authenticated launching process sends; it reads its
-address and the secret from its environment (MPLAUNCH_WORLD_ADDR, MPLAUNCH_WORLD_SECRET),
-removes the secret from it before anything starts, and ends, with every rank it
-started, when the connection ends: nothing of it outlives the World.
+address and the secret from its environment (MPLAUNCH_WORLD_ADDR, MPLAUNCH_WORLD_SECRET;
+on Ray the secret comes down its stdin instead), removes the secret from it before
+anything starts, and ends, with every rank it started, when the connection ends (or
+the Ray actor that started it does): nothing of it outlives the World.
 """
 from __future__ import annotations
 
