@@ -196,10 +196,12 @@ def _marker_options(item) -> dict:
         opts["scheduler"] = scheduler_env
     if (opts.get("nnodes") not in (None, 1) or opts.get("scheduler")) \
             and not opts.get("reuse"):
+        what = (f"nnodes={opts['nnodes']}" if opts.get("nnodes") not in (None, 1)
+                else f"scheduler={opts['scheduler']!r}")
         raise pytest.UsageError(
-            f"{item.nodeid}: nnodes={opts['nnodes']} runs the test in a World across the "
-            "nodes of this SLURM allocation (or Ray cluster: scheduler='ray'), which is "
-            "kept for the next tests: mark it reuse=True too")
+            f"{item.nodeid}: {what} runs the test in a World across the nodes of this "
+            "SLURM allocation (or Ray cluster: scheduler='ray'), which is kept for the "
+            "next tests: mark it reuse=True too")
     return opts
 
 

@@ -91,3 +91,23 @@ def test_reuse_keeps_one_world_per_size(pytester):
     assert pid("a2-rank0") == pid("b2-rank0") and pid("a2-rank1") == pid("b2-rank1")
     assert pid("a1-rank0") != pid("a2-rank0")
     _assert_all_gone(_recorded_pids(out))
+
+
+def test_nodes_or_a_scheduler_without_reuse_is_a_usage_error_naming_what_was_given(
+        pytester):
+    # A World across nodes (SLURM's or Ray's) is kept for the next tests: a test that
+    # asks for one without reuse=True is told so, before anything starts.
+    _inner_ini(pytester)
+    for marker, what in (('nnodes=2', "nnodes=2"), ('scheduler="ray"', "scheduler='ray'")):
+        pytester.makepyfile(test_nodes=f"""
+            import pytest
+
+            @pytest.mark.mplaunch(2, {marker})
+            def test_x():
+                pass
+            """)
+        result = _run(pytester)
+        assert result.ret == 4, result.stdout.str() + result.stderr.str()
+        result.stderr.fnmatch_lines([f"*test_x: {what} runs the test in a World across "
+                                     "the nodes of this SLURM allocation*reuse=True too*"])
+        assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()

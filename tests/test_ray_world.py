@@ -19,17 +19,16 @@ import psutil
 import pytest
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 
 import mplaunch  # noqa: E402
-from mplaunch._engine import servers as _procs  # noqa: E402
+import ray_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.no_leak_check, pytest.mark.timeout(240),
               # older Ray releases leave their own log files to the garbage collector
               pytest.mark.filterwarnings("ignore::ResourceWarning"),
               pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
-NODE_CPUS = 4
+NODE_CPUS = ray_cluster.NODE_CPUS
 NODE_GPUS = 3
 # What Ray Train (and torchrun) put in a worker's environment: never a World rank's.
 LEAKY = {"ROLE_NAME": "ray-train-worker", "TORCHELASTIC_RUN_ID": "ray-run",
@@ -40,73 +39,19 @@ LEAKY = {"ROLE_NAME": "ray-train-worker", "TORCHELASTIC_RUN_ID": "ray-run",
 
 @pytest.fixture(scope="module")
 def cluster():
-    saved = {k: os.environ.get(k) for k in LEAKY}
-    os.environ.update(LEAKY)          # the raylets, and so every worker, inherit these
-    c = None
-    try:
-        # GPUs as Ray counts them (a resource it hands out by index): no real GPU needed
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": NODE_CPUS,
-                                                          "num_gpus": NODE_GPUS})
-        c.add_node(num_cpus=NODE_CPUS, num_gpus=NODE_GPUS)
-        c.wait_for_nodes()
-        ray.init(address=c.address, log_to_driver=False)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    try:
+    # GPUs as Ray counts them (a resource it hands out by index): no real GPU needed
+    with ray_cluster.two_nodes(env=LEAKY, num_gpus=NODE_GPUS) as c:
         yield c
-    finally:
-        ray.shutdown()
-        if c is not None:
-            c.shutdown()
-    left = _ours(timeout=10)
-    assert not left, f"processes of ours left after the cluster: {left}"
 
 
-def _ours(timeout=0.0):
-    """Processes of mplaunch (agents, their servers and ranks) below this process that
-    are not this process's own warm servers: on any node of the cluster."""
-    end = time.monotonic() + timeout
-    while True:
-        local = set(_procs.server_pids()) | set(_procs.idle_pool_pids())
-        found = []
-        for p in psutil.Process().children(recursive=True):
-            try:
-                if p.pid in local or p.ppid() in local:
-                    continue
-                if p.status() == psutil.STATUS_ZOMBIE or "mplaunch" in " ".join(p.cmdline()):
-                    found.append((p.pid, p.status(), " ".join(p.cmdline())[:100]))
-            except psutil.Error:
-                continue
-        if not found or time.monotonic() > end:
-            return found
-        time.sleep(0.1)
-
-
-def _live_actors():
-    from ray._private import state
-    return [a for a in state.actors().values()
-            if a.get("State") != "DEAD" and "NodeAgent" in str(a.get("ActorClassName"))]
-
-
-def _live_groups():
-    return [g for g in ray.util.placement_group_table().values()
-            if g.get("state") not in ("REMOVED",)]
+_ours, _live_actors, _live_groups = (ray_cluster.ours, ray_cluster.live_actors,
+                                     ray_cluster.live_groups)
 
 
 @pytest.fixture(autouse=True)
 def nothing_left(cluster):
     yield
-    end = time.monotonic() + 20
-    while (_live_actors() or _live_groups()) and time.monotonic() < end:
-        time.sleep(0.2)
-    assert not _live_actors(), _live_actors()
-    assert not _live_groups(), _live_groups()
-    left = _ours(timeout=10)
-    assert not left, f"test left processes of ours on the cluster's nodes: {left}"
+    ray_cluster.check_nothing_left()
 
 
 def world(**options):
@@ -114,8 +59,7 @@ def world(**options):
     return mplaunch.World(2, nnodes=2, scheduler="ray", **options)
 
 
-def ray_node_ids():
-    return sorted(n["NodeID"][:8] for n in ray.nodes() if n["Alive"])
+ray_node_ids = ray_cluster.node_ids
 
 
 # -- what the ranks run -------------------------------------------------------------------
@@ -382,6 +326,40 @@ def test_a_killed_agent_actor_names_its_node_leaves_nothing_and_the_next_run_sta
         assert not gone, gone
         assert w.run(count_calls) == [1] * 4      # a new placement, fresh ranks
         assert w.run(allreduce_sum) == [10.0] * 4
+
+
+_DRIVER = """
+import os, sys, ray, mplaunch
+ray.init(address=sys.argv[1], log_to_driver=False)
+w = mplaunch.World(2, nnodes=2, scheduler="ray", backend="gloo")
+print("PIDS", sorted(w.run(os.getpid)), [n["agent_pid"] for n in w.nodes], flush=True)
+if sys.argv[2] == "left-open":
+    sys.exit(0)          # the World is closed at exit
+import time
+time.sleep(300)          # killed here
+"""
+
+
+@pytest.mark.parametrize("how", ["left-open", "killed"])
+def test_a_driver_that_exits_or_is_killed_leaves_nothing_on_the_cluster(cluster, how):
+    proc = subprocess.Popen([sys.executable, "-c", _DRIVER, cluster.address, how],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = ""
+        while not line.startswith("PIDS"):
+            line = proc.stdout.readline()
+            assert line, "the driver ended before its World ran"
+        if how == "killed":
+            os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) in (0, -signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    # its ranks, agents, servers, actors and placement group all go (nothing_left waits)
+    left = _ours(timeout=30)
+    assert not left, left
 
 
 def test_restart_re_forms_the_world_on_one_node_then_two():

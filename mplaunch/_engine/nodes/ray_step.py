@@ -61,7 +61,7 @@ def connect() -> None:
             "World(scheduler='ray') runs on the Ray cluster this process is connected "
             "to, and it is connected to none: call ray.init(address=...) first (on a "
             "cluster's head node, ray.init(address='auto')), or set RAY_ADDRESS")
-    ray.init(log_to_driver=False)
+    ray.init(log_to_driver=False, logging_level=logging.WARNING)
 
 
 def node_short(node_id: str) -> str:
