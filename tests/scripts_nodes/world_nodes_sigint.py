@@ -44,7 +44,7 @@ def main():
     outdir = sys.argv[1]
     wrap = lambda i: ["env", f"SLURMD_NODENAME=node{i}"]  # noqa: E731
     with mplaunch.World(2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
-                        grace_period=3, _starter=local_step.starter(wrap=wrap)) as w:
+                        grace_period=10, _starter=local_step.starter(wrap=wrap)) as w:
         w.run(count_calls)
         pids = w.pids
         agents = [n["agent_pid"] for n in w.nodes]
