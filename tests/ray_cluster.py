@@ -18,15 +18,15 @@ NODE_CPUS = 4
 
 
 @contextlib.contextmanager
-def two_nodes(env=None, **node_args):
+def two_nodes(env=None, head_args=None, **node_args):
     """The cluster, with this process connected to it; `env` is set while the raylets
-    start (their workers inherit it)."""
+    start (their workers inherit it); `head_args` go to the head alone."""
     saved = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     args = dict({"num_cpus": NODE_CPUS}, **node_args)
     c = None
     try:
-        c = Cluster(initialize_head=True, head_node_args=dict(args))
+        c = Cluster(initialize_head=True, head_node_args=dict(args, **(head_args or {})))
         c.add_node(**args)
         c.wait_for_nodes()
         ray.init(address=c.address, log_to_driver=False)
@@ -94,3 +94,12 @@ def check_nothing_left(wait=20.0):
 def node_ids():
     """The live nodes' ids as a World names them (their first 8 hex digits)."""
     return sorted(n["NodeID"][:8] for n in ray.nodes() if n["Alive"])
+
+
+def node_id(node):
+    """A cluster_utils node's Ray node id as the World names it."""
+    if getattr(node, "node_id", None):
+        return node.node_id[:8]
+    sock = node._plasma_store_socket_name    # Ray before 2.4x: found by its object store
+    return [n["NodeID"] for n in ray.nodes()
+            if n.get("ObjectStoreSocketName") == sock][0][:8]

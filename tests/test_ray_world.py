@@ -467,13 +467,7 @@ def test_a_driver_connected_to_no_cluster_is_told_how_to_connect(tmp_path):
     assert "REFUSED" in out.stdout and "ray.init(address=" in out.stdout, out
 
 
-def _id(node):
-    """A cluster_utils node's Ray node id as the World names it."""
-    if getattr(node, "node_id", None):
-        return node.node_id[:8]
-    sock = node._plasma_store_socket_name    # Ray before 2.4x: found by its object store
-    return [n["NodeID"] for n in ray.nodes()
-            if n.get("ObjectStoreSocketName") == sock][0][:8]
+_id = ray_cluster.node_id
 
 
 # -- last: a node removed from the cluster ------------------------------------------------

@@ -21,7 +21,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List, Optional, Sequence
+import threading
+from typing import Callable, Dict, List, Optional, Sequence
 
 from .slurm_step import AGENT_MODULE, NodesError
 
@@ -185,6 +186,8 @@ class RayStep:
         self.waits: List[object] = []
         self.returncode: Optional[int] = None
         self.pid = 0
+        self._ending = False
+        self._watcher: Optional[threading.Thread] = None
 
     @property
     def command(self) -> str:
@@ -219,6 +222,37 @@ class RayStep:
                  for i, a in enumerate(self.actors)], timeout=place_timeout)
         self.waits = [a.wait.remote() for a in self.actors]
 
+    def watch(self, on_end: Callable[[int, str], None]) -> None:
+        """From now on, ``on_end(node index, why)`` as soon as Ray reports a node's
+        actor ended (its process killed, its node lost: Ray knows a lost node within
+        seconds, before TCP keepalive would), in a thread of its own."""
+        self._watcher = threading.Thread(target=self._watch, args=(on_end,), daemon=True,
+                                         name="mplaunch-ray-watch")
+        self._watcher.start()
+
+    def _watch(self, on_end) -> None:
+        ray = _ray()
+        pending = list(self.waits)
+        while pending and not self._ending:
+            try:
+                done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+            except Exception:  # noqa: BLE001 - Ray shut down under us
+                return
+            for ref in done:
+                if self._ending:
+                    return
+                i = self.waits.index(ref)
+                try:
+                    code, _text = ray.get(ref, timeout=10)
+                    why = f"Ray reports its agent ended (exit status {code})"
+                except Exception as exc:  # noqa: BLE001 - the actor or its node died
+                    why = (f"Ray reports its agent's actor died "
+                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+                try:
+                    on_end(i, why)
+                except Exception:  # noqa: BLE001 - never let this thread die noisily
+                    log.exception("mplaunch: handling the end of node %d", i)
+
     def poll(self) -> Optional[int]:
         if self.returncode is not None or not self.waits:
             return self.returncode
@@ -248,6 +282,7 @@ class RayStep:
     def end(self, grace: float) -> None:
         """The agents end with their connections; then every actor is killed and the
         placement group removed: nothing of the World is left on any node."""
+        self._ending = True
         ray = _ray()
         if not ray.is_initialized():
             return

@@ -133,7 +133,23 @@ class Hub:
         listener.close()    # every agent is in: nobody else gets to connect
         self._configure()
         self.pump = Pump(self)
+        if hasattr(self.step, "watch"):   # a scheduler that reports a node's end itself
+            self.step.watch(self._node_ended)
         return self
+
+    def _node_ended(self, index: int, why: str) -> None:
+        """The scheduler says node `index`'s agent ended: its link is cut at once, and
+        the pump takes it as a lost node (and the agent, if it is still there, ends with
+        its connection, its ranks with it)."""
+        if not 0 <= index < len(self.links):
+            return
+        link = self.links[index]
+        if link.lost is None:
+            link.lost = why
+            try:
+                link.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _accept(self, listener: socket.socket, secret: str) -> None:
         """Every agent in, each having proved the secret. Each connection proves itself

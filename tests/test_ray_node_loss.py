@@ -1,0 +1,88 @@
+"""A node Ray declares lost while mplaunch's own connection to it still works: its
+raylet frozen (SIGSTOP), as a node cut off from the cluster's network looks to the
+head. Ray's health checks find it within seconds (this module's cluster checks every
+0.5 s); the World takes Ray's word at once, names the node, tears down on every node,
+and the next run is placed on the nodes Ray has then. Its own two-node cluster:
+health checks this tight would be a hazard for the other modules' tests."""
+from __future__ import annotations
+
+import signal
+import time
+
+import psutil
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import mplaunch  # noqa: E402
+import ray_cluster  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.no_leak_check, pytest.mark.timeout(240),
+              pytest.mark.filterwarnings("ignore::ResourceWarning"),
+              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+
+HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 1000,
+          "health_check_failure_threshold": 4}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with ray_cluster.two_nodes(head_args={"_system_config": HEALTH}) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def nothing_left(cluster):
+    yield
+    ray_cluster.check_nothing_left()
+
+
+def count_calls():
+    g = globals()
+    g["_calls"] = g.get("_calls", 0) + 1
+    return g["_calls"]
+
+
+def allreduce_sum():
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_a_node_ray_declares_lost_is_named_and_the_world_placed_again(cluster):
+    worker = cluster.worker_nodes and list(cluster.worker_nodes)[0]
+    raylet = psutil.Process(worker.all_processes["raylet"][0].process.pid)
+    wid = ray_cluster.node_id(worker)
+    with mplaunch.World(2, nnodes=2, scheduler="ray", backend="gloo",
+                        grace_period=2) as w:
+        assert w.run(count_calls) == [1] * 4
+        names = [n["name"] for n in w.nodes]
+        assert wid in names, (wid, names)
+        ranks = [psutil.Process(p) for p in w.pids.values()]
+        agent = psutil.Process(w.nodes[names.index(wid)]["agent_pid"])
+        raylet.send_signal(signal.SIGSTOP)      # the node's processes go on running
+        try:
+            begin = time.monotonic()
+            # the agent and its ranks are fine: only Ray's verdict can end them
+            while agent.is_running() and time.monotonic() - begin < 60:
+                time.sleep(0.1)
+            took = time.monotonic() - begin
+            assert not agent.is_running(), "the World did not take Ray's word"
+            with pytest.raises(mplaunch.WorkerError) as info:
+                w.run(count_calls, timeout=60)
+            msg = str(info.value)
+            assert wid in msg and "lost" in msg and "Ray reports" in msg, msg
+            # every rank of the World went, on both nodes, while the raylet was frozen
+            assert not psutil.wait_procs(ranks, timeout=20)[1]
+        finally:
+            raylet.send_signal(signal.SIGCONT)   # it learns it is dead, and ends
+        assert took < 30, f"{took:.1f} s to take Ray's word"
+        cluster.remove_node(worker, allow_graceful=False)   # what is left of it
+        spare = cluster.add_node(num_cpus=ray_cluster.NODE_CPUS)
+        cluster.wait_for_nodes()
+        assert w.run(count_calls) == [1] * 4    # re-placed: the head and the new node
+        assert sorted(n["name"] for n in w.nodes) == sorted(
+            [n for n in names if n != wid] + [ray_cluster.node_id(spare)])
+        assert w.run(allreduce_sum) == [10.0] * 4
