@@ -1,6 +1,6 @@
 """A World on the nodes of a Ray cluster, side by side with Ray Train, in one run.
 
-    python bench/ray_world.py              # about 4 minutes on 2 cores
+    python bench/ray_world.py              # about 2-4 minutes on 2 cores
     python bench/ray_world.py --quick      # fewer samples, about 3 minutes
     python bench/ray_world.py --slurm      # and the same World on the test SLURM cluster
     python bench/ray_world.py --json out.json
