@@ -5,6 +5,7 @@ import errno
 import os
 import re
 import socket
+import sys
 import threading
 
 import psutil
@@ -308,3 +309,18 @@ def test_launchs_keyword_defaults_are_the_engines():
     keywords = {name: p.default for name, p in params.items()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert keywords == OPTION_DEFAULTS
+
+
+# -- a World on Ray, before anything starts ----------------------------------------------
+
+def test_a_ray_world_without_ray_installed_says_which_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)     # import ray raises ImportError
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ImportError, match=r"pip install 'mplaunch\[ray\]'"):
+        mplaunch.World(2, nnodes=2, scheduler="ray")
+    with pytest.raises(ValueError, match="scheduler must be 'slurm'"):
+        mplaunch.World(2, nnodes=2, scheduler="kubernetes")
+    with pytest.raises(TypeError, match="needs scheduler='ray'"):
+        mplaunch.World(2, nnodes=2, ray_resources={"CPU": 2})
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before | set(
+        _procs.server_pids()) | set(_procs.idle_pool_pids())
