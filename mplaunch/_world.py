@@ -340,13 +340,13 @@ def _across_nodes(nprocs, nnodes, backend, options, starter):
                          "or 'spawn'")
     if options.get("stdin_rank") not in (None, 0):
         raise ValueError("across nodes no rank reads this terminal; leave stdin_rank out")
+    gpus, cpus = placement_args(options.get("gpus"), options.get("cpus"))
+    if nprocs is None and isinstance(gpus, (list, tuple)):
+        nprocs = len(gpus)
     address = options.pop("master_addr", None)
     if scheduler == "ray" and starter is None:
         from ._engine.nodes import ray_step
-        gpus_arg = options.get("gpus")
-        per_node = nprocs or (len(gpus_arg) if isinstance(gpus_arg, (list, tuple)) else 1)
-        bundle = ray_step.bundle_for(per_node, placement_args(
-            options.get("gpus"), options.get("cpus"))[0], ray_resources)
+        bundle = ray_step.bundle_for(nprocs or 1, gpus, ray_resources)
         ray_step.connect()
         ray_step.check_cluster(nnodes, bundle)
         starter = ray_step.starter(bundle)
@@ -356,9 +356,6 @@ def _across_nodes(nprocs, nnodes, backend, options, starter):
     address = address or _this_host_address()
     if options.get("prefix", DEFAULT_PREFIX) == DEFAULT_PREFIX:
         options["prefix"] = NODES_PREFIX
-    gpus, cpus = placement_args(options.get("gpus"), options.get("cpus"))
-    if nprocs is None and isinstance(gpus, (list, tuple)):
-        nprocs = len(gpus)
     # Each node places its own ranks on its own GPUs and CPUs (its agent, at start): this
     # machine's, which may have none (a Ray head pod, a login node), are not asked.
     cfg = validate(procgroup.setup, (backend,), nprocs,

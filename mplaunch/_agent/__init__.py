@@ -2,4 +2,5 @@
 (_rank): started once per node of a World across nodes (``python -m
 mplaunch._agent.agent``, by the scheduler: _engine.nodes.slurm_step or ray_step), it
 connects back to the launching process and runs its node's share of the World with the
-engine's own servers and spawners. Nothing imports it; it imports the engine, never a front-end."""
+engine's own servers and spawners. Nothing imports it; it imports the engine, never a
+front-end."""

@@ -32,11 +32,8 @@ from .._wire import auth, linux, tunnel
 from .._wire.channel import FramedReader
 
 log = logging.getLogger("mplaunch.agent")
-ADDR_ENV = "MPLAUNCH_WORLD_ADDR"
-NODE_ENV = "MPLAUNCH_NODE_INDEX"
-NAME_ENV = "MPLAUNCH_NODE_NAME"
-SECRET_STDIN_ENV = "MPLAUNCH_WORLD_SECRET_STDIN"  # the secret comes down stdin instead
-PARENT_ENV = "MPLAUNCH_AGENT_PARENT"   # a process the agent ends with (a Ray actor's)
+ADDR_ENV, NODE_ENV, NAME_ENV = tunnel.ADDR_ENV, tunnel.NODE_ENV, tunnel.NAME_ENV
+SECRET_STDIN_ENV, PARENT_ENV = tunnel.SECRET_STDIN_ENV, tunnel.PARENT_ENV
 
 
 def node_index(environ=os.environ) -> int:
@@ -94,18 +91,14 @@ class Agent:
     def _watch_parent(self, pid: int) -> None:
         """End with `pid` (the Ray actor that started this agent): Ray kills a dead
         actor's process, and this agent, its server and its ranks go with it."""
+        if os.getppid() != pid:
+            log.error("mplaunch agent: the process that started it (pid %d) is gone", pid)
+            self.done = True
+            return
         try:
             fd = os.pidfd_open(pid)
         except (OSError, AttributeError):
-            fd = None
-        if fd is None or os.getppid() != pid:
-            if fd is not None:
-                os.close(fd)
-            if os.getppid() != pid:
-                log.error("mplaunch agent: the process that started it (pid %d) is gone",
-                          pid)
-                self.done = True
-            return
+            return    # no pidfd here: the actor's process group still takes this agent
 
         def parent_ended(_fd) -> None:
             log.error("mplaunch agent: the process that started it (pid %d) ended", pid)

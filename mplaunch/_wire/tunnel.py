@@ -24,6 +24,16 @@ from .channel import send_framed
 
 __mplaunch_plumbing__ = True
 
+# What an agent reads from its environment, set by whoever starts it (the World's
+# SLURM step, or its Ray actor): where the launching process listens, its node's index
+# and name, whether the secret comes down stdin instead of MPLAUNCH_WORLD_SECRET, and a
+# process it ends with (the Ray actor).
+ADDR_ENV = "MPLAUNCH_WORLD_ADDR"
+NODE_ENV = "MPLAUNCH_NODE_INDEX"
+NAME_ENV = "MPLAUNCH_NODE_NAME"
+SECRET_STDIN_ENV = "MPLAUNCH_WORLD_SECRET_STDIN"
+PARENT_ENV = "MPLAUNCH_AGENT_PARENT"
+
 _HEADER = struct.Struct("!BIQ")
 
 # front -> agent

@@ -25,6 +25,7 @@ import threading
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .slurm_step import AGENT_MODULE, NodesError
+from ..._wire import auth, tunnel
 
 log = logging.getLogger("mplaunch")
 
@@ -37,9 +38,6 @@ TORCH_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                        "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
                        "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
-SECRET_STDIN_ENV = "MPLAUNCH_WORLD_SECRET_STDIN"   # the agent reads the secret from stdin
-PARENT_ENV = "MPLAUNCH_AGENT_PARENT"               # the agent ends when this pid does
-NAME_ENV = "MPLAUNCH_NODE_NAME"
 
 
 def _ray():
@@ -119,10 +117,10 @@ class NodeAgent:
     def start(self, index: int, name: str, addr: str, secret: str) -> int:
         """Start this node's agent; the secret goes down its stdin."""
         env = {k: v for k, v in os.environ.items() if k not in TORCH_LAUNCHER_VARS}
-        env.update({"MPLAUNCH_NODE_INDEX": str(index), NAME_ENV: name,
-                    "MPLAUNCH_WORLD_ADDR": addr, SECRET_STDIN_ENV: "1",
-                    PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
-        env.pop("MPLAUNCH_WORLD_SECRET", None)
+        env.update({tunnel.NODE_ENV: str(index), tunnel.NAME_ENV: name,
+                    tunnel.ADDR_ENV: addr, tunnel.SECRET_STDIN_ENV: "1",
+                    tunnel.PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
+        env.pop(auth.SECRET_ENV, None)
         self.log = tempfile.TemporaryFile(prefix="mplaunch-agent-")
         self.proc = subprocess.Popen([sys.executable, "-m", AGENT_MODULE], env=env,
                                      stdin=subprocess.PIPE, stdout=self.log,
@@ -315,10 +313,9 @@ class RayStep:
 def starter(bundle: Dict[str, float]):
     """A Hub starter (remote.Hub(starter=)) that places the World's agents on Ray."""
     def start(agent_argv: Sequence[str], env: Dict[str, str], nnodes: int, output):
-        from ..._wire import auth
         step = RayStep(nnodes, bundle, output)
         try:
-            step.start(env["MPLAUNCH_WORLD_ADDR"], env[auth.SECRET_ENV])
+            step.start(env[tunnel.ADDR_ENV], env[auth.SECRET_ENV])
         except BaseException:
             step.end(0.0)
             raise

@@ -121,8 +121,8 @@ class Hub:
             port = listener.getsockname()[1]
             env = dict(os.environ)
             env[auth.SECRET_ENV] = secret
-            env["MPLAUNCH_WORLD_ADDR"] = join_addr(self.address, port)
-            env.pop("MPLAUNCH_NODE_INDEX", None)
+            env[tunnel.ADDR_ENV] = join_addr(self.address, port)
+            env.pop(tunnel.NODE_ENV, None)
             self._step_log = tempfile.TemporaryFile(prefix="mplaunch-agents-")
             self.step = self.starter(agent_argv(), env, self.nnodes, self._step_log)
             self._accept(listener, secret)
