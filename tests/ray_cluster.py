@@ -19,18 +19,24 @@ NODE_CPUS = 4
 
 @contextlib.contextmanager
 def two_nodes(env=None, head_args=None, **node_args):
-    """The cluster, with this process connected to it; `env` is set while the raylets
-    start (their workers inherit it); `head_args` go to the head alone."""
+    """The cluster, with this process connected to its head (a test may remove any
+    other node); `env` is set while the raylets start (their workers inherit it);
+    `head_args` go to the head alone."""
     saved = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     args = dict({"num_cpus": NODE_CPUS}, **node_args)
     c = None
     try:
         c = Cluster(initialize_head=True, head_node_args=dict(args, **(head_args or {})))
+        # connected while the head is the only node, the driver is on the head: Ray
+        # before 2.4x picks any node of the driver's address, and a test that removes
+        # the driver's node breaks the driver itself
+        ray.init(address=c.address, log_to_driver=False)
         c.add_node(**args)
         c.wait_for_nodes()
-        ray.init(address=c.address, log_to_driver=False)
+        assert driver_node(c) is c.head_node, "the driver is not on the head"
     except BaseException:
+        ray.shutdown()
         if c is not None:
             c.shutdown()
         raise
@@ -94,6 +100,13 @@ def check_nothing_left(wait=20.0):
 def node_ids():
     """The live nodes' ids as a World names them (their first 8 hex digits)."""
     return sorted(n["NodeID"][:8] for n in ray.nodes() if n["Alive"])
+
+
+def driver_node(cluster):
+    """The cluster_utils node whose raylet this process (the driver) is connected to."""
+    sock = ray._private.worker._global_node._raylet_socket_name
+    return [n for n in [cluster.head_node, *cluster.worker_nodes]
+            if n._raylet_socket_name == sock][0]
 
 
 def node_id(node):
