@@ -10,11 +10,15 @@ import sys
 
 def starter(wrap=None):
     """A World(_starter=...) that starts the agents as children of one step process."""
+    from mplaunch._engine.nodes.slurm_step import ProcessStep
+
     def start(agent_argv, env, nnodes, output):
         prefixes = [list(wrap(i)) if wrap else [] for i in range(nnodes)]
-        return subprocess.Popen([sys.executable, __file__, repr(prefixes), *agent_argv],
-                                env=env, stdin=subprocess.DEVNULL, stdout=output,
-                                stderr=output, start_new_session=True)
+        argv = [sys.executable, __file__, repr(prefixes), *agent_argv]
+        return ProcessStep(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                                            stdout=output, stderr=output,
+                                            start_new_session=True),
+                           f"tests/local_step.py: {nnodes} local agent(s)")
     return start
 
 

@@ -781,3 +781,21 @@ def test_a_remote_rank_flooding_its_output_between_calls_is_slowed_not_buffered(
         assert 0 < last < 128 << 20, f"{last >> 20} MiB went out of the rank unread"
         assert grown < 96 << 20, f"the launching process grew {grown >> 20} MiB"
     capfd.readouterr()   # what was relayed as the world closed
+
+
+def test_a_step_that_ends_before_its_agents_join_is_named_with_what_it_printed():
+    """The scheduler's step fails before any agent connects (srun refused, a node that
+    cannot run Python): the error says so at once, with the step's command and its last
+    output, and nothing is left running."""
+    def broken(i):
+        return ["sh", "-c", f"echo node {i} cannot start its agent >&2; exit 3", "sh"]
+
+    begin = time.monotonic()
+    with pytest.raises(Exception) as info:
+        with world(_starter=local_step.starter(wrap=broken)) as w:
+            w.run(count_calls)
+    msg = str(info.value)
+    assert "ended (exit status 3) before 2 joined" in msg, msg
+    assert "local_step.py: 2 local agent(s)" in msg, msg
+    assert "node 0 cannot start its agent" in msg and "node 1" in msg, msg
+    assert time.monotonic() - begin < 30, "not at once: it waited for the join timeout"

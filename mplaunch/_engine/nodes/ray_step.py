@@ -172,7 +172,8 @@ def _actor_class():
 
 class RayStep:
     """A World's placement group and agent actors: what a SLURM step is to a World
-    there (polled, ended, described in errors)."""
+    there; the Hub asks of it what it asks of slurm_step.ProcessStep (poll, returncode,
+    command, watch, end)."""
 
     def __init__(self, nnodes: int, bundle: Dict[str, float], output):
         self.nnodes = nnodes
@@ -277,7 +278,7 @@ class RayStep:
         except (OSError, ValueError, AttributeError):
             pass
 
-    def end(self, grace: float) -> None:
+    def end(self, grace: float, nodes: Sequence = ()) -> None:
         """The agents end with their connections; then every actor is killed and the
         placement group removed: nothing of the World is left on any node."""
         self._ending = True

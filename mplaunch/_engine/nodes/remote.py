@@ -15,9 +15,7 @@ import dataclasses
 import logging
 import os
 import queue
-import shlex
 import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -25,8 +23,7 @@ from typing import Callable, Dict, List, Optional
 
 from ..config import LaunchConfig
 from .pump import Pump
-from .slurm_step import (NodesError, agent_argv, end_step, join_addr, listen,
-                       srun_argv, start_srun_step)
+from .slurm_step import NodesError, agent_argv, join_addr, listen, start_srun_step
 from ..._wire import auth, tunnel
 
 log = logging.getLogger("mplaunch")
@@ -79,7 +76,9 @@ class Link:
 class Hub:
     """A World's nodes: the step of agents, one authenticated link to each, and the pump
     thread. Lives as long as the World (a heal or a replaced rank reuses it); closed,
-    it ends the step and leaves nothing running on any node."""
+    it ends the step and leaves nothing running on any node. `starter(agent_argv, env,
+    nnodes, output)` starts the step: one srun (slurm_step.ProcessStep) by default, a
+    placement group of actors on Ray (ray_step.RayStep); the Hub asks the same of both."""
 
     def __init__(self, nnodes: int, address: str, cfg: LaunchConfig, gpus, cpus,
                  starter: Optional[Callable] = None, join_timeout: float = JOIN_TIMEOUT):
@@ -90,7 +89,7 @@ class Hub:
         self.starter = starter or start_srun_step
         self.join_timeout = join_timeout
         self.links: List[Link] = []
-        self.step: Optional[subprocess.Popen] = None
+        self.step = None     # slurm_step.ProcessStep, ray_step.RayStep
         self._step_log = None
         self.pump: Optional[Pump] = None
         self.spawner = None  # the current group's (_engine.nodes.spawner), hears reports
@@ -99,15 +98,6 @@ class Hub:
     @property
     def broken(self) -> bool:
         return any(link.lost is not None for link in self.links)
-
-    @property
-    def step_id(self) -> Optional[str]:
-        """"JOB.STEP" of the agents' SLURM step (what their environment says)."""
-        for link in self.links:
-            env = link.info.environ
-            if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID"):
-                return f"{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
-        return None
 
     @property
     def nodes(self) -> List[NodeInfo]:
@@ -133,8 +123,7 @@ class Hub:
         listener.close()    # every agent is in: nobody else gets to connect
         self._configure()
         self.pump = Pump(self)
-        if hasattr(self.step, "watch"):   # a scheduler that reports a node's end itself
-            self.step.watch(self._node_ended)
+        self.step.watch(self._node_ended)   # a scheduler that learns of a lost node
         return self
 
     def _node_ended(self, index: int, why: str) -> None:
@@ -226,15 +215,14 @@ class Hub:
             text = out.read()[-3000:].decode(errors="replace").strip()
         except (OSError, ValueError):
             text = ""
-        cmd = getattr(self.step, "command", None) or shlex.join(
-            srun_argv(self.nnodes, agent_argv()))
+        cmd = self.step.command if self.step is not None else "not started"
         return (f"the step ({cmd}) printed:\n{text}" if text
                 else f"the step ({cmd}) printed nothing")
 
     # -- the end -----------------------------------------------------------------------
     def close(self, grace: float = 10.0) -> None:
         """End every agent (and so every rank) and the step; idempotent. With a node
-        lost, the step is not waited for long: SLURM ends it (nodestep.end_step)."""
+        lost, the step is not waited for long: its scheduler ends it (step.end)."""
         if self.broken:
             grace = min(grace, 3.0)
         for link in self.links:
@@ -249,13 +237,9 @@ class Hub:
                 pass
             link.sock.close()
             link.lost = link.lost or "the World was closed"
-        step_id = self.step_id
         step, self.step = self.step, None
         if step is not None:
-            if hasattr(step, "end"):     # a scheduler's own (ray_step.RayStep)
-                step.end(grace)
-            else:
-                end_step(step, grace, step_id)
+            step.end(grace, self.nodes)
         if self._step_log is not None:
             self._step_log.close()
             self._step_log = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -79,14 +80,54 @@ def job_cpus_per_node(environ=os.environ) -> Optional[int]:
     return int(here) if here.isdigit() else None
 
 
+class ProcessStep:
+    """A step of node agents that is one process on this machine: srun (or a test's
+    stand-in for it). What a Hub asks of any step (ray_step.RayStep is the other):
+    ``poll()`` and ``returncode`` (the step ended before every agent joined?),
+    ``command`` (named in errors), ``watch(on_end)`` (a scheduler that learns of a lost
+    node by itself calls ``on_end(index, why)``; srun tells nothing the agents'
+    connections do not) and ``end(grace, nodes)``."""
+
+    def __init__(self, proc: subprocess.Popen, command: str):
+        self.proc = proc
+        self.command = command
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.proc.returncode
+
+    def poll(self) -> Optional[int]:
+        return self.proc.poll()
+
+    def watch(self, on_end) -> None:
+        """Nothing to watch: a node lost is known by its agent's connection."""
+
+    def end(self, grace: float, nodes: Sequence = ()) -> None:
+        """End the step (end_step); `nodes` (the Hub's NodeInfo) say its SLURM id."""
+        end_step(self.proc, grace, slurm_step_id(node.environ for node in nodes))
+
+
+def slurm_step_id(environs) -> Optional[str]:
+    """"JOB.STEP" of the agents' SLURM step, from their environments (None outside one)."""
+    for env in environs:
+        if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID"):
+            return f"{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
+    return None
+
+
 def start_srun_step(agent_argv: Sequence[str], env: Dict[str, str], nnodes: int,
-                    output) -> subprocess.Popen:
+                    output) -> ProcessStep:
     """The default way of starting the agents: one srun step, in a session of its own
     (a Ctrl-C at the terminal is the launching process's to handle; a second one would
     make srun cancel the step)."""
-    return subprocess.Popen(srun_argv(nnodes, agent_argv, env), env=env,
-                            stdin=subprocess.DEVNULL, stdout=output, stderr=output,
-                            start_new_session=True)
+    argv = srun_argv(nnodes, agent_argv, env)
+    return ProcessStep(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                                        stdout=output, stderr=output,
+                                        start_new_session=True), shlex.join(argv))
 
 
 def end_step(step: subprocess.Popen, grace: float, step_id: Optional[str] = None) -> None:
