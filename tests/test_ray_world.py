@@ -362,6 +362,43 @@ def test_a_driver_that_exits_or_is_killed_leaves_nothing_on_the_cluster(cluster,
     assert not left, left
 
 
+_SHIPPED_DRIVER = """
+import os, shutil, sys, ray, mplaunch
+project = sys.argv[2]
+sys.path.insert(0, project)
+import shipped                     # the project's own module, as the driver imports it
+ray.init(address=sys.argv[1], log_to_driver=False, runtime_env={"working_dir": project})
+shutil.rmtree(project)   # uploaded: from here on the project is only where Ray put it
+with mplaunch.World(2, nnodes=2, scheduler="ray", backend="gloo") as w:
+    print("OUT", w.run(shipped.where), flush=True)
+"""
+
+
+def test_code_and_files_ray_ships_in_a_working_dir_are_the_ranks(cluster, tmp_path):
+    """A project shipped with runtime_env={"working_dir": ...}, as Ray's docs show for a
+    cluster whose nodes do not share the driver's files: on every node the ranks import
+    its modules and start in its copy (where Ray runs its own tasks), with the driver's
+    own copy gone, as it is on every other machine of a real cluster."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "data.txt").write_text("read from the working_dir\n")
+    (project / "shipped.py").write_text(
+        "import os\n"
+        "def where():\n"
+        "    import torch.distributed as dist\n"
+        "    with open('data.txt') as f:\n"
+        "        return dist.get_rank(), f.read().strip(), os.getcwd()\n")
+    out = subprocess.run([sys.executable, "-c", _SHIPPED_DRIVER, cluster.address,
+                          str(project)], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=180)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("OUT ")]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
+    got = eval(lines[0][4:])
+    assert [r for r, _, _ in got] == [0, 1, 2, 3]
+    assert {text for _, text, _ in got} == {"read from the working_dir"}
+    assert not any(cwd == str(tmp_path) for _, _, cwd in got), got
+
+
 def test_restart_re_forms_the_world_on_one_node_then_two():
     with world() as w:
         assert w.run(allreduce_sum) == [10.0] * 4

@@ -799,3 +799,19 @@ def test_a_step_that_ends_before_its_agents_join_is_named_with_what_it_printed()
     assert "local_step.py: 2 local agent(s)" in msg, msg
     assert "node 0 cannot start its agent" in msg and "node 1" in msg, msg
     assert time.monotonic() - begin < 30, "not at once: it waited for the join timeout"
+
+
+def test_a_rank_starts_where_its_node_can_and_imports_from_the_nodes_path_too():
+    """for_this_node (what an agent does to each rank's spec): the directory the node's
+    starter names wins; else the launcher's, where the node has it; else the agent's.
+    The agent's import path entries the launcher's lacks follow the launcher's."""
+    from mplaunch._wire.spec import RankSpec, for_this_node
+    spec = RankSpec(rank=0, local_rank=0, node_rank=1, hostname="h", env={},
+                    cwd=HERE, sys_path=("/launcher/a", "/shared"))
+    here = ("/node/x", "/shared", "", "/node/x")
+    assert for_this_node(spec, None, "/agent", ("/launcher/a", "/shared")) is spec
+    got = for_this_node(spec, None, "/agent", here)
+    assert got.cwd == HERE and got.sys_path == ("/launcher/a", "/shared", "/node/x")
+    missing = RankSpec(**{**spec.__dict__, "cwd": os.path.join(HERE, "not-on-this-node")})
+    assert for_this_node(missing, None, "/agent", here).cwd == "/agent"
+    assert for_this_node(spec, "/ray/working_dir", "/agent", here).cwd == "/ray/working_dir"

@@ -30,10 +30,12 @@ from .._engine.env import allowed_cpus
 from .._engine.output import read_pipe
 from .._wire import auth, linux, tunnel
 from .._wire.channel import FramedReader
+from .._wire.spec import for_this_node
 
 log = logging.getLogger("mplaunch.agent")
 ADDR_ENV, NODE_ENV, NAME_ENV = tunnel.ADDR_ENV, tunnel.NODE_ENV, tunnel.NAME_ENV
 SECRET_STDIN_ENV, PARENT_ENV = tunnel.SECRET_STDIN_ENV, tunnel.PARENT_ENV
+CWD_ENV = tunnel.CWD_ENV
 
 
 def node_index(environ=os.environ) -> int:
@@ -67,8 +69,9 @@ class _Rank:
 
 
 class Agent:
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, node_cwd: Optional[str] = None):
         self.sock = sock
+        self.node_cwd = node_cwd          # CWD_ENV: where every rank starts
         self.sel = selectors.DefaultSelector()
         self.cfg = None
         self.spawner = None
@@ -157,6 +160,7 @@ class Agent:
 
     def _start(self, token, body) -> None:
         spec, key = body
+        spec = for_this_node(spec, self.node_cwd, os.getcwd(), sys.path)
         r = _Rank(token)
         payload = os.dup(self.payloads[tuple(key)])
         res_ours, res_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -396,6 +400,7 @@ def main() -> int:
         secret = sys.stdin.readline().strip() or None   # never in any environment
     addr = os.environ.pop(ADDR_ENV, None)
     parent = os.environ.pop(PARENT_ENV, None)
+    node_cwd = os.environ.pop(CWD_ENV, None) or None
     if not secret or not addr:
         log.error("started without %s and %s in its environment: an agent is started "
                   "by mplaunch.World(nnodes=...), not by hand", auth.SECRET_ENV, ADDR_ENV)
@@ -411,7 +416,7 @@ def main() -> int:
     except (OSError, auth.AuthError) as exc:
         log.error("could not join the World at %s: %s", addr, exc)
         return 1
-    agent = Agent(sock)
+    agent = Agent(sock, node_cwd)
     info = {"node": node_index(), "name": node_name(), "host": socket.gethostname(),
             "pid": os.getpid(), "environ": dict(os.environ), "cpus": allowed_cpus()}
     try:

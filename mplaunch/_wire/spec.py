@@ -5,8 +5,9 @@ wire, apart from the validation that builds it (_engine.config).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+import os
+from dataclasses import dataclass, replace
+from typing import Dict, Optional, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -53,3 +54,20 @@ def uses_cuda(backend: Optional[str]) -> bool:
         return False
     parts = [p.strip().lower() for p in backend.split(",")]
     return any(p == "nccl" or p.startswith("cuda:") for p in parts)
+
+
+def for_this_node(spec: RankSpec, node_cwd: Optional[str], here_cwd: str,
+                  here_path: Sequence[str]) -> RankSpec:
+    """A rank's spec as this node can honour it. The launching process's working
+    directory and import path name its own machine's files, which a node that shares no
+    filesystem with it (a Ray cluster's, often) does not have: a rank starts in the
+    directory the node's starter named (`node_cwd`: the Ray job's runtime_env
+    working_dir, where Ray's own tasks run), else the launcher's where it exists here,
+    else the agent's; and the agent's import path entries the launcher's lacks (Ray's
+    working_dir and py_modules, this node's PYTHONPATH and site-packages) follow the
+    launcher's, so code Ray ships to the node imports in its ranks."""
+    cwd = node_cwd or (spec.cwd if os.path.isdir(spec.cwd) else here_cwd)
+    extra = tuple(dict.fromkeys(p for p in here_path if p and p not in spec.sys_path))
+    if cwd == spec.cwd and not extra:
+        return spec
+    return replace(spec, cwd=cwd, sys_path=tuple(spec.sys_path) + extra)

@@ -26,13 +26,15 @@ __mplaunch_plumbing__ = True
 
 # What an agent reads from its environment, set by whoever starts it (the World's
 # SLURM step, or its Ray actor): where the launching process listens, its node's index
-# and name, whether the secret comes down stdin instead of MPLAUNCH_WORLD_SECRET, and a
-# process it ends with (the Ray actor).
+# and name, whether the secret comes down stdin instead of MPLAUNCH_WORLD_SECRET, a
+# process it ends with (the Ray actor), and a working directory its ranks start in
+# whatever the launching process's is (the Ray job's runtime_env working_dir).
 ADDR_ENV = "MPLAUNCH_WORLD_ADDR"
 NODE_ENV = "MPLAUNCH_NODE_INDEX"
 NAME_ENV = "MPLAUNCH_NODE_NAME"
 SECRET_STDIN_ENV = "MPLAUNCH_WORLD_SECRET_STDIN"
 PARENT_ENV = "MPLAUNCH_AGENT_PARENT"
+CWD_ENV = "MPLAUNCH_NODE_CWD"
 
 _HEADER = struct.Struct("!BIQ")
 

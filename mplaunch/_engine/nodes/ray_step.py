@@ -102,6 +102,15 @@ def _show(bundle: Dict[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in bundle.items()) + "}"
 
 
+def _working_dir() -> Optional[str]:
+    """The runtime_env working_dir of the job this actor runs in, if it has one (Ray
+    then runs the actor, as every task, in that directory's copy on this node)."""
+    try:
+        return _ray().get_runtime_context().runtime_env.get("working_dir") or None
+    except Exception:  # noqa: BLE001 - an older Ray without it
+        return None
+
+
 class NodeAgent:
     """The actor in one node's bundle (Ray runs it as ``ray.remote(NodeAgent)``)."""
 
@@ -120,6 +129,8 @@ class NodeAgent:
         env.update({tunnel.NODE_ENV: str(index), tunnel.NAME_ENV: name,
                     tunnel.ADDR_ENV: addr, tunnel.SECRET_STDIN_ENV: "1",
                     tunnel.PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
+        if _working_dir():
+            env[tunnel.CWD_ENV] = os.getcwd()   # Ray runs this actor there
         env.pop(auth.SECRET_ENV, None)
         self.log = tempfile.TemporaryFile(prefix="mplaunch-agent-")
         self.proc = subprocess.Popen([sys.executable, "-m", AGENT_MODULE], env=env,
