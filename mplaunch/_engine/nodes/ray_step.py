@@ -195,7 +195,6 @@ class RayStep:
         self.names: List[str] = []
         self.waits: List[object] = []
         self.returncode: Optional[int] = None
-        self.pid = 0
         self._ending = False
         self._watcher: Optional[threading.Thread] = None
 

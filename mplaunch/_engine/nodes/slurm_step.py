@@ -93,10 +93,6 @@ class ProcessStep:
         self.command = command
 
     @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
     def returncode(self) -> Optional[int]:
         return self.proc.returncode
 
