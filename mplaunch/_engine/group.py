@@ -185,6 +185,7 @@ class RankGroup:
         until ``replied``."""
         for r in self.ranks if ranks is None else ranks:
             r.has_result, r.result, r.error = False, None, None
+            r.calls += 1
             send_framed(r.reader.sock, CALL_TAG, [payload_fd])
 
     @property
@@ -245,6 +246,20 @@ class RankGroup:
 
     def _on_message(self, r: RankState, data: bytes, fds: list) -> None:
         tag, body = data[:1], data[1:]
+        if r.calls - r.answers > 1:
+            # About a call before the current one (see RankState.calls): its answer
+            # counts it off; nothing of it is the current call's.
+            for fd in fds:
+                os.close(fd)
+            if not _is_note(tag, body):
+                r.answers += 1
+            return
+        if tag != RESULT_TAG and isinstance(msg := pickle.loads(body), KeptGlobals):
+            r.kept_globals += msg.names   # before its answer (_wire.mainglobals)
+            for fd in fds:
+                os.close(fd)
+            return
+        r.answers += 1
         if tag == RESULT_TAG:
             try:
                 r.result = loads_result(body, fds)
@@ -258,11 +273,8 @@ class RankGroup:
             return
         for fd in fds:
             os.close(fd)
-        msg = pickle.loads(body)
         if isinstance(msg, Returned):
             r.result, r.has_result = msg.value, True
-        elif isinstance(msg, KeptGlobals):   # before its answer (_wire.mainglobals)
-            r.kept_globals += msg.names
         elif isinstance(msg, Raised):
             r.error = msg
             # An error raised after the teardown began is its consequence, not a cause.
@@ -366,6 +378,16 @@ class RankGroup:
         # result held by a rank's state) would live until the cycle collector runs.
         self.spawner.events = None
         self._sel.close()
+
+
+def _is_note(tag: bytes, body: bytes) -> bool:
+    """A KeptGlobals note (which comes before a call's answer), not an answer."""
+    if tag == RESULT_TAG:
+        return False
+    try:
+        return isinstance(pickle.loads(body), KeptGlobals)
+    except Exception:  # noqa: BLE001 - an answer that cannot be read is still one
+        return False
 
 
 def _relay_to(ranks, last, sinks):

@@ -20,7 +20,8 @@ class RankState:
     """One rank of a RankGroup."""
     __slots__ = ("spec", "pid", "reader", "out_fd", "err_fd", "stack_fd", "out", "err",
                  "status", "result", "has_result", "error", "max_rss", "exit_note",
-                 "reporter", "exited_at", "log_name", "kept_globals", "_child_ends")
+                 "reporter", "exited_at", "log_name", "kept_globals", "calls", "answers",
+                 "_child_ends")
 
     def __init__(self, spec: RankSpec):
         self.spec = spec
@@ -32,6 +33,12 @@ class RankState:
         # The __main__ names it kept over the caller's values (KeptGlobals), not yet
         # taken by the front-end (a World's: _engine.serving)
         self.kept_globals: tuple = ()
+        # Calls it was given (its first payload is one) and answers it sent: a rank
+        # answers each call once, in order, so an answer that arrives while it still
+        # owes one for a later call belongs to a call the launching process gave up on
+        # and is dropped, never taken for the current call's (RankGroup._on_message).
+        self.calls = 1
+        self.answers = 0
         self.reader: Optional[FramedReader] = None
         self.out: Optional[StreamRelay] = None
         self.err: Optional[StreamRelay] = None

@@ -202,15 +202,16 @@ class Serving:
         where it can be, ``err.healed`` saying what was kept)."""
         self.start()
         self.fresh = []
-        attempt = self._send(payload)
+        attempt = self.attempt
         self._called = attempt.group
+        send = lambda: self._send(payload)  # noqa: E731
         if not self.heal:
-            return self._wait_replies(timeout)
+            return self._wait_replies(timeout, send=send)
         group = attempt.group
         driver = CallDriver(attempt, RELEASE_SIGNAL)
         group.heal = True
         try:
-            self._driven(driver.on_signal, lambda: driver.drive(timeout))
+            self._driven(driver.on_signal, lambda: driver.drive(timeout), send)
         finally:
             group.heal = False
         if group.stopping or not group.running:
@@ -241,33 +242,44 @@ class Serving:
             r.kept_globals = ()
         return kept
 
-    def _send(self, payload: Union[bytes, Payload]) -> Attempt:
-        attempt = self.attempt
-        assert attempt is not None
-        attempt.group.relay_to(sys.stdout, sys.stderr)
+    def _send(self, payload: Union[bytes, Payload]) -> None:
+        group = self.attempt.group
+        group.relay_to(sys.stdout, sys.stderr)
         with _payload_fd(payload) as fd:
             try:
-                attempt.group.call(fd)
+                group.call(fd)
             except OSError:
                 pass  # a rank is gone: the loop finds out which, and why
-        return attempt
 
-    def _driven(self, on_signal, drive: Callable[[], None]) -> None:
-        """Run `drive` with signals to this process forwarded to `on_signal`; whatever
-        it raises tears the ranks down first."""
+    def _driven(self, on_signal, drive: Callable[[], None],
+                send: Optional[Callable[[], None]] = None) -> None:
+        """`send` a call to the ranks, then `drive` it to its answers, with signals to
+        this process forwarded to `on_signal` from before the first rank is sent
+        anything: an interrupt is then the driver's to handle (the call interrupted in
+        the ranks, the World kept) whenever it comes. Before, Ctrl-C in the moment
+        between the send and the drive left by Python's handler with the ranks still
+        running the call, and every later call read the answers of the one before.
+        Whatever escapes once something was sent tears the ranks down; an interrupt
+        before that (the handlers not yet in place) leaves them as they were."""
+        sent = send is None
         try:
             with signals.forwarding(on_signal, warn=False, wake_fd=self.attempt.waker.w):
+                if send is not None:
+                    sent = True   # from here on the ranks may hold the call
+                    send()
                 drive()
         except BaseException:
-            self.stop()
+            if sent:
+                self.stop()
             raise
 
-    def _wait_replies(self, timeout: Optional[float], quiet: bool = False) -> list:
+    def _wait_replies(self, timeout: Optional[float], quiet: bool = False,
+                      send: Optional[Callable[[], None]] = None) -> list:
         attempt = self.attempt
         assert attempt is not None
         group = attempt.group
         self._driven(attempt.on_signal, lambda: attempt.drive(
-            until=lambda: group.replied and not group.stopping, timeout=timeout))
+            until=lambda: group.replied and not group.stopping, timeout=timeout), send)
         if group.running and not group.stopping:
             group.relay_written()
             return [r.result for r in group.ranks]
@@ -292,9 +304,8 @@ class Serving:
         try:
             states = self._control(self.calls.group_state, (), live)
             inited = [s for s in states if s["initialized"]]
-            seqs = {s["seq"] for s in inited}
             if not (dead or released or (inited and len(inited) != len(states))
-                    or len(seqs) > 1):
+                    or _disagree(inited)):
                 return ("the world was kept: its ranks, their state and their process "
                         "group are as the failed run left them")
             backends = {s["backend"] for s in inited}
@@ -318,27 +329,47 @@ class Serving:
         """Start a fresh process for each dead rank and build the group again in every
         rank (key space `n`); each live rank's names of stale objects."""
         group = self.attempt.group
-        with _payload_fd(dumps_payload(self.calls.rebuild, (backend, n), {})) as fd:
-            # The fresh ranks first: a fork (start_method="fork") of this process while
-            # its store serves the others' rendezvous could inherit a lock held.
-            for i in dead:
-                group.replace(i, fd)
-            group.call(fd, live)
-        return self._wait_replies(max(30.0, self.cfg.grace_period), quiet=True)
+        payload = dumps_payload(self.calls.rebuild, (backend, n), {})
+
+        def send():
+            with _payload_fd(payload) as fd:
+                # The fresh ranks first: a fork (start_method="fork") of this process
+                # while its store serves the others' rendezvous could inherit a lock.
+                for i in dead:
+                    group.replace(i, fd)
+                group.call(fd, live)
+        return self._wait_replies(max(30.0, self.cfg.grace_period), quiet=True,
+                                  send=send)
 
     def _control(self, func, args, ranks) -> list:
         """A call of mplaunch's own in these ranks; torn down and raised if it fails."""
         attempt = self.attempt
         group = attempt.group
-        with _payload_fd(dumps_payload(func, args, {})) as fd:
-            group.call(fd, ranks)
+        payload = dumps_payload(func, args, {})
+
+        def send():
+            with _payload_fd(payload) as fd:
+                group.call(fd, ranks)
         self._driven(attempt.on_signal, lambda: attempt.drive(
-            until=lambda: all(r.has_result for r in ranks) or group.stopping))
+            until=lambda: all(r.has_result for r in ranks) or group.stopping), send)
         if group.stopping or not all(r.has_result for r in ranks):
             self.stop()
             results_or_raise(attempt)    # raises what stopped it
             raise RuntimeError("a rank did not answer mplaunch's own call")
         return [r.result for r in ranks]
+
+
+def _disagree(states: list) -> bool:
+    """The ranks' groups are not all at the same collective: the default group's count
+    differs, or a subgroup's between its members (a collective of new_group's or
+    new_subgroups' left half-done, whoever answered the interrupt in time)."""
+    if len({s["seq"] for s in states}) > 1:
+        return True
+    counts: Dict[str, set] = {}
+    for s in states:
+        for name, seq in s.get("subgroups", {}).items():
+            counts.setdefault(name, set()).add(seq)
+    return any(len(seqs) > 1 for seqs in counts.values())
 
 
 def _node_base(environ: dict) -> dict:

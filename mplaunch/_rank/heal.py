@@ -15,6 +15,7 @@ thread reads only /proc/self and asks its own sockets, never the store.
 """
 from __future__ import annotations
 
+import gc
 import signal
 import sys
 import threading
@@ -92,6 +93,7 @@ def group_state() -> dict:
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return {"initialized": False, "seq": None, "incarnation": rendezvous.incarnation()}
     return {"initialized": True, "seq": torchapi.sequence_number(),
+            "subgroups": torchapi.group_sequence_numbers(),
             "incarnation": rendezvous.incarnation(),
             "backend": dist.get_backend()}
 
@@ -106,10 +108,20 @@ def rebuild(backend: Optional[str], n: int) -> List[str]:
     import torch.distributed as dist
     stale = stale_holders()
     if dist.is_initialized():
+        # The old group's connections are shut before it is destroyed. A rank whose
+        # wait in a collective was interrupted (torch 2.13's work.wait() is) leaves the
+        # collective running on gloo's thread, waiting for peers that never send; the
+        # group's destructor joins that thread, and so hung forever, here or wherever
+        # the collector later freed a group kept alive by a cycle (a traceback's
+        # frames): once shut, the thread's collective raises and the thread ends.
+        release_connections()
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group still goes
             pass
+        # A group held by a reference cycle is freed now, its threads released, not
+        # at a random later allocation in the next call.
+        gc.collect()
     from . import procgroup
     procgroup.setup(backend)   # as the World's first one was made (its GPU on CUDA)
     return stale

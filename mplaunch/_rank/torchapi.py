@@ -19,7 +19,8 @@ from __future__ import annotations
 import sys
 from typing import Optional, Tuple
 
-__all__ = ["sequence_number", "sequence_number_and_why", "abort_default_group",
+__all__ = ["sequence_number", "sequence_number_and_why", "group_sequence_numbers",
+           "abort_default_group",
            "init_kwargs_for_device", "rendezvous_handlers"]
 
 
@@ -64,6 +65,40 @@ def sequence_number() -> Optional[int]:
     initialised, the API missing, or a backend that does not count): see
     sequence_number_and_why for the fallback."""
     return sequence_number_and_why()[0]
+
+
+def group_sequence_numbers() -> dict:
+    """{group name: how many collectives it has started} for every process group this
+    rank belongs to besides the default one (new_group's, new_subgroups', a device
+    mesh's). Names are the same in every member (torch derives them from the ranks and
+    the order of creation).
+
+    Uses ``distributed_c10d._world.pg_names`` (every torch 2.x) and each group's
+    ``_get_sequence_number_for_group``. Fallback: {} (or a group left out), and a
+    World's health check compares the default group alone, as it did before subgroups
+    were counted."""
+    dist = _dist()
+    if dist is None:
+        return {}
+    c10d = dist.distributed_c10d
+    world = getattr(c10d, "_world", None)
+    names = getattr(world, "pg_names", None)
+    if not isinstance(names, dict):
+        return {}
+    try:
+        default = c10d._get_default_group()
+    except Exception:  # noqa: BLE001
+        default = None
+    counts = {}
+    for group, name in list(names.items()):
+        if group is default:
+            continue
+        count = getattr(group, "_get_sequence_number_for_group", None)
+        try:
+            counts[str(name)] = int(count())
+        except Exception:  # noqa: BLE001 - a backend that does not count, or none
+            continue
+    return counts
 
 
 def abort_default_group() -> bool:
