@@ -3,7 +3,7 @@ release (_rank.heal) can shut them and nothing else: noted by the rank itself, f
 own file descriptors, while the group is made.
 
 What is noted. The sockets this process gained while ``init_process_group`` ran (and
-while each ``new_group`` ran): gloo connects its full mesh inside init, so every
+while torch made each subgroup): gloo connects its full mesh inside init, so every
 connection of the group, whichever side connected and wherever the peer runs (this node
 or another one), is among them, with the listeners gloo made. Besides those, a
 connection accepted later by one of those listeners (a group made with gloo's lazy init
@@ -97,18 +97,35 @@ def group_made() -> None:
 
 
 def subgroup_started() -> Optional[FrozenSet[int]]:
-    """Before new_group: this process's sockets (None when nothing is noted)."""
-    return _inodes() if _enabled and _known is not None else None
+    """Before torch makes a subgroup: this process's sockets. None when nothing is
+    noted, and while no default group is up: the group torch is making is then the
+    default one (init_process_group goes through the same helper), which the rendezvous
+    notes (group_made)."""
+    if not _enabled or _known is None or not _initialized():
+        return None
+    return _inodes()
 
 
-def subgroup_made(group, before: Optional[FrozenSet[int]]) -> None:
-    """Once new_group has returned `group`: the connections and listeners it made are
-    the release's too. Never raises."""
+def subgroup_made(group, before: Optional[FrozenSet[int]], parent=None) -> None:
+    """Once torch has made `group` (None or NON_GROUP_MEMBER where this rank is not in
+    it): the connections and listeners it made are the release's too. `parent`: the
+    group to ask the backend of, for a split that torch registers only later. Never
+    raises."""
     global _known
     known_now = _known
-    if before is None or known_now is None or group is None or not _gloo(group):
+    if before is None or known_now is None or group is None:
+        return
+    if not _gloo(group if parent is None else parent):
         return
     _known = _noted(before, known_now)
+
+
+def _initialized() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist is not None and bool(dist.is_initialized())
+    except Exception:  # noqa: BLE001 - a torch we cannot ask makes no subgroup we note
+        return False
 
 
 def _gloo(group) -> bool:

@@ -16,7 +16,8 @@ them (a replaced rank starts at 0, its peers do not).
 
 After the group. The hook also follows ``torch.distributed.init_process_group`` with
 _rank.endpoints' note of the group's TCP connections (for the release of a healing
-World; nothing in other ranks): the one moment the group is known to be up.
+World; nothing in other ranks): the one moment the group is known to be up. Likewise
+each subgroup, wherever torch makes it (_patch_subgroups).
 """
 from __future__ import annotations
 
@@ -98,26 +99,73 @@ def _patch_init(mod) -> None:
 
     init_process_group._mplaunch = 1  # type: ignore[attr-defined]
     mod.init_process_group = init_process_group
-    _patch_new_group(mod)
+    _patch_subgroups(mod, sys.modules.get("torch.distributed.distributed_c10d"))
+
+
+def _patch_subgroups(mod, c10d) -> None:
+    """Each way torch makes a subgroup, followed by endpoints.subgroup_made(): a
+    subgroup's connections are its own, and the release shuts them as the default
+    group's.
+
+    Where. Not at the name ``dist.new_group`` alone: torch's own helpers
+    (new_subgroups, new_subgroups_by_enumeration, the functional collectives' groups)
+    call distributed_c10d's new_group, and DeviceMesh (like any ``from
+    torch.distributed import new_group`` run before this rank started) holds torch's
+    function itself. Every new_group, in every torch mplaunch supports, makes its group
+    in distributed_c10d's ``_new_process_group_helper``, which its callers look up by
+    name at each call; so does init_process_group, which subgroup_started() tells apart
+    (no default group yet). A split (split_group; DeviceMesh on a device bound to the
+    group; new_group under torchcomms) makes its group in C++, in the parent's
+    ``ProcessGroup.split_group``: wrapped on the class, which every caller reaches. A
+    torch without the helper gets the name ``dist.new_group`` wrapped instead."""
+    helper = getattr(c10d, "_new_process_group_helper", None)
+    if helper is None:
+        _patch_new_group(mod)
+    elif not getattr(helper, "_mplaunch", False):
+        c10d._new_process_group_helper = _noting(helper)
+    process_group = getattr(c10d, "ProcessGroup", None)
+    split = getattr(process_group, "split_group", None)
+    if split is not None and not getattr(split, "_mplaunch", False):
+        try:
+            process_group.split_group = _noting(split, split=True)
+        except (AttributeError, TypeError):
+            pass   # a class that takes no attribute: its splits are not released
+
+
+def _noting(original, split: bool = False):
+    """`original`, a function that makes a group, with the group's connections noted.
+    With `split`, a method of the parent group (ProcessGroup.split_group) returning the
+    group or None; otherwise torch's helper, returning (group, its store)."""
+    import functools
+
+    if split:
+        @functools.wraps(original)
+        def made(self, *args, **kwargs):
+            before = endpoints.subgroup_started()
+            group = original(self, *args, **kwargs)
+            # torch registers the split only after this returns: ask the parent's backend
+            endpoints.subgroup_made(group, before, parent=self)
+            return group
+    else:
+        @functools.wraps(original)
+        def made(*args, **kwargs):
+            before = endpoints.subgroup_started()
+            out = original(*args, **kwargs)
+            endpoints.subgroup_made(out[0] if isinstance(out, tuple) else out, before)
+            return out
+
+    made._mplaunch = 1  # type: ignore[attr-defined]
+    return made
 
 
 def _patch_new_group(mod) -> None:
-    """torch.distributed.new_group, followed by endpoints.subgroup_made(): a subgroup's
-    connections are its own, and the release shuts them as the default group's."""
+    """torch.distributed.new_group, followed by endpoints.subgroup_made(): for a torch
+    without _new_process_group_helper (see _patch_subgroups), whose other ways to a
+    subgroup are then not released."""
     original = getattr(mod, "new_group", None)
     if original is None or getattr(original, "_mplaunch", False):
         return
-    import functools
-
-    @functools.wraps(original)
-    def new_group(*args, **kwargs):
-        before = endpoints.subgroup_started()
-        group = original(*args, **kwargs)
-        endpoints.subgroup_made(group, before)
-        return group
-
-    new_group._mplaunch = 1  # type: ignore[attr-defined]
-    mod.new_group = new_group
+    mod.new_group = _noting(original)
 
 
 def _patch_rendezvous(mod) -> None:
