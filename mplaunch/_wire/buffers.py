@@ -213,7 +213,9 @@ class Payload:
         try:
             os.ftruncate(fd, self.nbytes)   # holes until written: no memory yet
             _pwrite_all(fd, memoryview(self.pickled)[:-8], 0)
-            _run([job for s, at in zip(sources, self._offsets) for job in s.jobs(fd, at)])
+            budget = _Budget(self.nbytes)
+            _run([job for s, at in zip(sources, self._offsets) for job in s.jobs(fd, at)],
+                 budget)
             _pwrite_all(fd, memoryview(self._tail), self.region_end)
             seal(fd)
         except OSError as exc:
@@ -266,9 +268,16 @@ def _fill_mapped(fd: int, at: int, nbytes: int, fill) -> None:
         m.close()
 
 
-def _run(jobs: list) -> None:
+def _job_size(job) -> int:
+    func, args = job
+    return args[1].nbytes if func is _pwrite_all else args[2]
+
+
+def _run(jobs: list, budget: "Optional[_Budget]" = None) -> None:
     """Run the writes, on a few threads when there are several: the kernel allocates and
     fills the file's pages as fast as memory lets, each thread its own."""
+    if budget is not None:
+        jobs = [(_counted, (budget, job)) for job in jobs]
     n = min(len(jobs), 4, len(os.sched_getaffinity(0)))
     if n <= 1:
         for func, args in jobs:
@@ -303,10 +312,18 @@ def _run(jobs: list) -> None:
         raise errors[0]
 
 
+def _counted(budget: _Budget, job) -> None:
+    budget.wrote(_job_size(job))
+    job[0](*job[1])
+
+
 def lendable() -> Tuple[int, str]:
     """(bytes, where the figure comes from): the memory this process may fill with
-    shared pages now: the kernel's MemAvailable, or less where its memory cgroup's
-    limit leaves less. (A memfd counts against neither /dev/shm's size nor overcommit.)"""
+    shared pages now: the kernel's MemAvailable, or less where a memory cgroup's limit
+    leaves less: its own cgroup's or any ancestor's (a container's limit is often set
+    on a parent), each less what it uses beyond page cache the kernel can drop
+    (inactive_file, as the kubelet counts a working set). A memfd counts against
+    neither /dev/shm's size nor overcommit."""
     limit, source = sys.maxsize, "no limit found"
     try:
         with open("/proc/meminfo") as f:
@@ -317,21 +334,73 @@ def lendable() -> Tuple[int, str]:
     except (OSError, ValueError, IndexError):
         pass
     cgroup = memory_cgroup(os.getpid())
-    if cgroup is not None:
-        for cap, used in (("memory.max", "memory.current"),
-                          ("memory.limit_in_bytes", "memory.usage_in_bytes")):
-            try:
-                with open(os.path.join(cgroup, cap)) as f:
-                    text = f.read().strip()
-                with open(os.path.join(cgroup, used)) as f:
-                    in_use = int(f.read())
-            except (OSError, ValueError):
-                continue
-            if text.isdigit() and int(text) - in_use < limit:
-                limit = max(0, int(text) - in_use)
-                source = f"the limit of memory cgroup {cgroup} less what it uses"
-            break
+    while cgroup is not None and cgroup.startswith(_CGROUPS):
+        left = _cgroup_left(cgroup)
+        if left is not None and left < limit:
+            limit = left
+            source = (f"the limit of memory cgroup {cgroup} less what it uses beyond "
+                      "reclaimable page cache")
+        parent = os.path.dirname(cgroup)
+        cgroup = parent if parent != cgroup else None
     return limit, source
+
+
+_CGROUPS = "/sys/fs/cgroup/"
+
+
+def _cgroup_left(cgroup: str) -> Optional[int]:
+    """What `cgroup`'s limit leaves (v2, else v1), None without a limit there."""
+    for cap, used, cache in (("memory.max", "memory.current", "inactive_file"),
+                             ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                              "total_inactive_file")):
+        try:
+            with open(os.path.join(cgroup, cap)) as f:
+                text = f.read().strip()
+            with open(os.path.join(cgroup, used)) as f:
+                in_use = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if not text.isdigit() or int(text) >= 1 << 60:   # "max", or v1's no-limit
+            return None
+        try:
+            with open(os.path.join(cgroup, "memory.stat")) as f:
+                for line in f:
+                    name, _, value = line.partition(" ")
+                    if name == cache:
+                        in_use = max(0, in_use - int(value))
+                        break
+        except (OSError, ValueError):
+            pass
+        return max(0, int(text) - in_use)
+    return None
+
+
+class _Budget:
+    """The writes of one payload check, as they go, that what is left to write still
+    fits: two large payloads written at once (two notebooks, two Worlds) each passed
+    the check made before writing, and together filled the machine. Asked again every
+    _RECHECK bytes; the first writer that no longer fits stops with InputsTooLarge and
+    its pages are freed, so the other finishes."""
+
+    def __init__(self, total: int):
+        self.total, self.written, self._next = total, 0, _RECHECK
+        self._lock = threading.Lock()
+
+    def wrote(self, n: int) -> None:
+        with self._lock:
+            self.written += n
+            if self.written < self._next:
+                return
+            self._next = self.written + _RECHECK
+            left = self.total - self.written
+        limit, source = lendable()
+        if left > limit:
+            raise InputsTooLarge(self.total, limit + self.written,
+                                 f"{source}, while it was being written: something "
+                                 "else took memory meanwhile")
+
+
+_RECHECK = 256 << 20
 
 
 # -- the rank's side --------------------------------------------------------------------
