@@ -158,3 +158,71 @@ def test_random_interrupts_inside_gloo_collectives_never_hang_a_later_call():
                     f"try {i}"
         finally:
             interrupter.close()
+
+
+# -- the chaos soak: a DDP World through seeded faults, interrupts among them ---------------
+
+def ddp_step():
+    """One DDP step; the rank's count of steps since it was (re)born."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    st = mplaunch.rank_state()
+    group = dist.distributed_c10d._get_default_group()
+    if st.get("group") is not group:      # first call, or the heal rebuilt the group
+        torch.manual_seed(0)
+        st.setdefault("model", torch.nn.Linear(8, 8))
+        st["ddp"], st["group"] = DDP(st["model"]), group
+    st["ddp"](torch.randn(4, 8)).sum().backward()
+    st["n"] = st.get("n", 0) + 1
+    return st["n"]
+
+
+def fault(kind, culprit):
+    import torch
+    import torch.distributed as dist
+    if kind == "spin":                     # interrupted from outside
+        t = torch.ones(1)
+        for _ in range(100000):
+            dist.all_reduce(t)
+            t.fill_(1.0)
+    if dist.get_rank() != culprit:
+        if kind in ("raise", "half"):
+            dist.all_reduce(torch.ones(1))   # waits for the culprit
+        return None
+    if kind == "die":
+        os._exit(3)
+    raise ValueError(f"chaos: {kind}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_chaos_soak_a_ddp_world_keeps_every_survivors_count(method):
+    """40 rounds of seeded faults (an exception, a collective left half-done, a dead
+    rank, an interrupt at a random moment), each followed by a DDP step: every rank's
+    count of steps is what it should be (fresh ranks start again at 1), and nothing
+    hangs or is left behind."""
+    rng = random.Random(f"chaos-{method}")
+    n = 4
+    with mplaunch.World(n, backend="gloo", start_method=method, grace_period=10) as world:
+        expected = [1] * n
+        assert world.run(ddp_step, timeout=120) == expected
+        interrupter = _Interrupter()
+        try:
+            for round_ in range(40):
+                kind = rng.choice(["raise", "half", "die", "spin", "spin"])
+                culprit = rng.randrange(n)
+                if kind == "spin":
+                    interrupter.run(rng.uniform(0.0, 0.05),
+                                    lambda: world.run(fault, (kind, culprit), timeout=60))
+                else:
+                    with pytest.raises(mplaunch.WorkerError):
+                        world.run(fault, (kind, culprit), timeout=60)
+                for r in world.fresh_ranks:
+                    expected[r] = 0
+                expected = [e + 1 for e in expected]
+                got = world.run(ddp_step, timeout=60)
+                assert got == expected, f"round {round_}: {kind} in rank {culprit}"
+        finally:
+            interrupter.close()
