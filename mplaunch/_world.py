@@ -160,6 +160,11 @@ class World:
         with self._lock:
             if self._closed:
                 raise RuntimeError("this World is closed; make a new one")
+            if not self._engine.up:
+                # Fresh ranks import this process's modules as they are now (or, forked,
+                # have them): what changes from here on is theirs to follow, a reload
+                # before the first run too.
+                self._modules.reloaded()
             self._engine.start()
         return self
 
@@ -197,21 +202,21 @@ class World:
         raise from_here(failure)
 
     def _follow_reloads(self, was_up: bool, timeout) -> None:
-        """Reload in the ranks, before the call, the modules this process reloaded
-        since the last run (_engine.modwatch): fresh ranks import them as they are."""
-        names = self._modules.reloaded()
-        if not (names and was_up):
+        """Change in the ranks, before the call, the modules this process reloaded or
+        patched since the last run (_engine.modwatch, _rank.reloads): fresh ranks import
+        them as they are. Where some ranks could not follow, say which run what."""
+        changes = self._modules.reloaded()
+        if not (changes and was_up):
             return
-        answers = self._engine.call(dumps_payload(reloads.reload_modules, (names,), {}),
-                                    timeout)
-        failed: dict = {}
-        for answer in answers:
+        answers = self._engine.call(
+            dumps_payload(reloads.reload_modules, (changes,), {}), timeout)
+        failed: dict = {}    # name -> why -> ranks
+        for rank, answer in enumerate(answers):
             for name, why in answer.items():
-                failed.setdefault(name, why)
-        for name, why in failed.items():
-            warnings.warn(f"mplaunch.World: the ranks could not reload {name!r}, which "
-                          f"this process reloaded ({why}); they run the version they "
-                          "had", RuntimeWarning, stacklevel=_outside_mplaunch())
+                failed.setdefault(name, {}).setdefault(why, []).append(rank)
+        for name, whys in failed.items():
+            warnings.warn(_unfollowed(name, whys, len(answers)), RuntimeWarning,
+                          stacklevel=_outside_mplaunch())
 
     def _say_kept(self) -> None:
         """Warn, once per name, where ranks kept their own value of a `__main__` name
@@ -220,7 +225,7 @@ class World:
             if name in self._told:
                 continue
             self._told.add(name)
-            who = ("the ranks" if len(ranks) >= self.nprocs else
+            who = ("the ranks" if len(ranks) >= self.size else
                    f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, sorted(ranks)))}")
             warnings.warn(
                 f"mplaunch.World: {who} kept their own {name!r} (their code assigned it), "
@@ -283,6 +288,35 @@ class World:
 
 
 NODES_PREFIX = "[{host} rank{rank}]: "
+
+
+def _unfollowed(name: str, whys: dict, size: int) -> str:
+    """What a warning says of module `name`, which ranks could not reload ({why:
+    ranks}) of the World's `size`: which ranks run what, and how to get them equal."""
+    failed = sorted(r for ranks in whys.values() for r in ranks)
+    if len(failed) == size and len(whys) == 1:
+        said = (f"the ranks could not reload {name!r}, which this process reloaded "
+                f"({next(iter(whys))}); they run the version they had")
+    else:
+        one = len(failed) == 1
+        why = next(iter(whys)) if len(whys) == 1 else "; ".join(
+            f"{_ranks(ranks)}: {why}" for why, ranks in whys.items())
+        said = (f"{_ranks(failed)} could not reload {name!r}, which this process "
+                f"reloaded ({why}), and run{'s' * one} the version "
+                f"{'it' if one else 'they'} had")
+        followed = [r for r in range(size) if r not in failed]
+        if followed:
+            said += (f", while {_ranks(followed)} run{'s' * (len(followed) == 1)} it "
+                     f"as reloaded: the ranks now run different code")
+    return (f"mplaunch.World: {said}. To run the same code everywhere, make {name!r} "
+            f"load in every rank and reload it here again (the next run follows), or "
+            f"call world.restart() for fresh ranks")
+
+
+def _ranks(ranks: List[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
 
 
 def _outside_mplaunch() -> int:
