@@ -42,9 +42,11 @@ def test_a_parent_cgroups_limit_counts_and_dropable_cache_does_not(tmp_path, mon
 
 
 def test_memory_taken_while_a_payload_is_written_stops_it(monkeypatch):
-    data = bytearray(600 * MiB)
+    data = bytearray(160 * MiB)
     payload = buffers.Payload(b"x" * 16, [buffers.Raw(memoryview(data))], [0])
-    monkeypatch.setattr(buffers, "lendable", lambda: (100 * MiB, "a test's figure"))
+    monkeypatch.setattr(buffers, "_RECHECK", 32 * MiB)
+    # Enough when asked before writing; 32 MiB into it, something else took the rest.
+    monkeypatch.setattr(buffers, "lendable", lambda: (64 * MiB, "a test's figure"))
     fds_before = set(os.listdir("/proc/self/fd"))
     with pytest.raises(buffers.InputsTooLarge) as info:
         payload.memfd()
