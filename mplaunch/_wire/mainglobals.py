@@ -21,14 +21,32 @@ The rule, per name:
   follows the caller (a function redefined in a cell is the common case): the caller
   says which names those are, at pickling time (`function_reduce`);
 - `push` (``%ranks push``) replaces a name on purpose, and the name follows the caller
-  again until the rank binds it anew; a name the rank deleted follows the caller again.
+  again until the rank binds it anew; a name the rank deleted follows the caller again;
+- a name the caller deleted, that a function it sends names, is deleted in the rank too
+  where it still holds the caller's object (`launch` would raise NameError there): the
+  caller says which names its functions name but it lacks (`function_reduce`).
 
 How the rank tells its own names: the ledger remembers, for each name, the object it
 last put there from the caller. After each call, a name that no longer holds that very
-object was bound by the rank; so was one that the code the call ran assigns (a
-``global`` statement of the call's function or of the `__main__` functions and classes
-it names, a statement of a ``%%ranks`` cell), which catches ``model =
-model.to(device)``, a rebinding to the same object.
+object was bound by the rank; so was one that the code the call ran assigns, which
+catches ``model = model.to(device)``, a rebinding to the same object. That code is:
+
+- the call's function, and every function of the caller's `__main__` that the call
+  brought, wherever it was (an argument, the closure of a decorator such as
+  ``@torch.no_grad()`` or one made with `functools.wraps`, an object's class): the
+  rank's load notes each as it makes it (`function_setstate`), so no object of the
+  payload is searched for them;
+- a ``%%ranks`` cell's statements;
+- the functions and classes of the rank's `__main__` that this code reads as globals,
+  and theirs; the functions a decorator wraps (``__wrapped__``, closures). Only a name
+  read as a global counts: ``opt.step()`` is not a use of a function ``step``.
+
+What it assigns: ``global`` statements (STORE_GLOBAL), a cell's own assignments, and
+``globals()["name"] = ...`` with the name written out. Code that binds a name another
+way (``globals().update(...)``, ``setattr`` on the module, ``exec`` of a string, another
+module's code) is seen only by identity: where it binds the very object the caller sent
+(a small int, None, the model it sent), the name stays the caller's; docs/world.rst says
+so.
 Identity and assignment, not equality: an object the rank changes in place
 (``history.append(x)``) is still the caller's, and the caller's next copy replaces it,
 as before.
@@ -38,12 +56,15 @@ the engine's namespace and nothing travels unless pushed: mplaunch's functions r
 the caller's constants and helpers without a push (in `launch` as in a World), and users
 rely on it. Rejected too: telling changes by comparing values (``==`` on arbitrary
 objects, tensors among them, is neither cheap nor a truthful bool) or by keeping a
-snapshot of each value sent (a second copy of every global).
+snapshot of each value sent (a second copy of every global), and watching the
+namespace's writes: a module's namespace is a plain dict, whose ``STORE_GLOBAL`` no
+``__setitem__`` sees, and CPython's dict watchers are for C code only.
 """
 from __future__ import annotations
 
 import functools
 import opcode
+import sys
 import types
 from typing import Dict, Iterable, List, Optional, Set
 
@@ -59,14 +80,16 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, tuple, list, dict, 
 
 
 class _Ledger:
-    __slots__ = ("namespace", "given", "told", "kept", "cells")
+    __slots__ = ("namespace", "given", "told", "kept", "brought")
 
     def __init__(self, namespace: dict):
         self.namespace = namespace
         self.given: Dict[str, object] = {}   # name -> the caller's object put there last
         self.told: set = set()               # names already reported
         self.kept: List[str] = []            # names to report after this load
-        self.cells: list = []                # the code of %%ranks cells this call runs
+        # The code this call brought: the caller's `__main__` functions its payload
+        # held, the code of the %%ranks cells it runs. Kept until `settle` reads it.
+        self.brought: list = []
 
 
 _ledger: Optional[_Ledger] = None
@@ -80,36 +103,49 @@ def track(namespace: dict) -> None:
         _ledger = _Ledger(namespace)
 
 
-def function_reduce(rv, defined: Iterable[str]):
+def function_reduce(rv, defined: Iterable[str], missing: Iterable[str] = ()):
     """cloudpickle's reduction `rv` of a function of the caller's `__main__`, rewritten
     so that the rank installs the function's globals through `install` (`defined`: the
-    names among them that the caller's `__main__` defines as that class or function).
-    Any other shape of `rv` is returned as it is."""
+    names among them that the caller's `__main__` defines as that class or function;
+    `missing`: the globals the function's code names that the caller's `__main__` does
+    not hold, deleted or never made). Any other shape of `rv` is returned as it is."""
     if type(rv) is not tuple or len(rv) != 6 or rv[5] is None:
         return rv
     make, args, state, items, pairs, setter = rv
-    return make, args, (setter, state, tuple(defined)), items, pairs, function_setstate
+    return (make, args, (setter, state, tuple(defined), tuple(missing)), items, pairs,
+            function_setstate)
 
 
 def function_setstate(func, packed) -> None:
     """The rank's side of `function_reduce`: cloudpickle's own state setter, given no
-    globals, then the globals through the ledger."""
-    setter, state, defined = packed
+    globals, then the globals through the ledger; the function is noted as code this
+    call brought (`settle` reads what it assigns, wherever the payload held it)."""
+    setter, state, defined, missing = packed
     inner, slots = state
     values = slots.get("__globals__") or {}
     slots["__globals__"] = {}
     setter(func, (inner, slots))
-    install(func.__globals__, values, defined)
+    ledger = _ledger
+    if ledger is not None and func.__globals__ is ledger.namespace:
+        ledger.brought.append(func)
+    install(func.__globals__, values, defined, missing)
 
 
-def install(namespace: dict, values: dict, defined: Iterable[str] = ()) -> None:
+def install(namespace: dict, values: dict, defined: Iterable[str] = (),
+            missing: Iterable[str] = ()) -> None:
     """Put the caller's `values` into `namespace`, but not over a name the rank's own
-    code bound (see the module's docstring); `defined` names always go in."""
+    code bound (see the module's docstring); `defined` names always go in. The
+    `missing` names (the caller has none) leave `namespace` where they still hold the
+    caller's object: the rank's own stay."""
     ledger = _ledger
     if ledger is None or namespace is not ledger.namespace:
         namespace.update(values)   # a namespace nobody ran code in yet: all of it
         return
     given, defined = ledger.given, set(defined)
+    for name in missing:
+        obj = given.get(name, _MISSING)
+        if obj is not _MISSING and namespace.get(name, _MISSING) is obj:
+            del namespace[name], given[name]
     for name, value in values.items():
         current = namespace.get(name, _MISSING)
         if (current is not _MISSING and current is not given.get(name, _MISSING)
@@ -135,18 +171,18 @@ def cell_runs(code) -> None:
     """A ``%%ranks`` cell's code is about to run in the rank's `__main__` (_rank.cells):
     `settle` reads what it assigns. (Not in the notebook, which compiles it too.)"""
     if _ledger is not None:
-        _ledger.cells.append(code)
+        _ledger.brought.append(code)
 
 
 def settle(func=None) -> None:
-    """After a call of `func`: the names its code assigned (or a cell's), or that no
+    """After a call of `func`: the names the code it ran or brought assigned, or that no
     longer hold the caller's object, are the rank's from now on; the caller's objects
     they held are forgotten, so that they are freed now rather than at the next call."""
     ledger = _ledger
     if ledger is None:
         return
     namespace, given = ledger.namespace, ledger.given
-    runs, ledger.cells = [f for f in (func, *ledger.cells) if f is not None], []
+    runs, ledger.brought = [f for f in (func, *ledger.brought) if f is not None], []
     for name in [n for n, obj in given.items() if namespace.get(n, _MISSING) is not obj]:
         del given[name]
     if given and runs:
@@ -186,16 +222,31 @@ def _differ(current, value) -> bool:
 
 _STORE_GLOBAL = opcode.opmap["STORE_GLOBAL"]
 _STORE_NAME = opcode.opmap["STORE_NAME"]
+_STORE_SUBSCR = opcode.opmap["STORE_SUBSCR"]
+_LOAD_CONST = opcode.opmap["LOAD_CONST"]
+_LOAD_GLOBAL = opcode.opmap["LOAD_GLOBAL"]
+# Since 3.11 LOAD_GLOBAL's argument is the name's index times two (plus a flag).
+_LOAD_GLOBAL_SHIFT = 1 if sys.version_info >= (3, 11) else 0
+# Reads that fall through to the module's namespace: a module's or class body's names,
+# and (3.12) a class body's in a function or with type parameters.
+_LOAD_NAMES = frozenset(opcode.opmap[n] for n in ("LOAD_NAME",
+                                                  "LOAD_FROM_DICT_OR_GLOBALS")
+                        if n in opcode.opmap)
+_EXTENDED_ARG = opcode.EXTENDED_ARG
 _MAIN_NAMES = ("__main__", "__mp_main__")   # as _wire.mainmod.MAIN_NAMES (which imports us)
+# What a global, a closure or a ``__wrapped__`` may hold that leads to code to read.
+_FOLLOWED = (types.FunctionType, types.MethodType, functools.partial, staticmethod,
+             classmethod, property)
 
 
 def _assigned_by(runs, namespace: dict, wanted: Set[str]) -> Set[str]:
     """The names of `wanted` that the code in `runs` assigns: a function's ``global``
-    statements, a ``%%ranks`` cell's assignments (a code object run in `namespace`),
-    and the ``global`` statements of the functions and classes of `namespace` that
-    they name, and of theirs. Code that may not have run counts too: a function that
-    declares ``global best`` and assigns it makes ``best`` state of the process it
-    runs in."""
+    statements and ``globals()["name"] = ...``, a ``%%ranks`` cell's assignments (a code
+    object run in `namespace`), and those of the functions and classes of `namespace`
+    that they read as globals, and of theirs; a decorated function's, wherever the
+    decorator came from (``__wrapped__``, a closure). Code that may not have run counts
+    too: a function that declares ``global best`` and assigns it makes ``best`` state
+    of the process it runs in."""
     found: Set[str] = set()
     seen: Set[int] = set()
     todo = list(runs)
@@ -211,22 +262,54 @@ def _assigned_by(runs, namespace: dict, wanted: Set[str]) -> Set[str]:
         elif isinstance(obj, property):
             todo.extend(f for f in (obj.fget, obj.fset, obj.fdel) if f is not None)
         elif isinstance(obj, type):
-            todo.extend(vars(obj).values())
+            if obj.__module__ in _MAIN_NAMES:
+                todo.extend(vars(obj).values())
         elif isinstance(obj, (types.FunctionType, types.CodeType)):
             cell = isinstance(obj, types.CodeType)
-            if not cell and obj.__globals__ is not namespace:
-                continue   # another module's: its globals are not __main__'s
+            if not cell:
+                # A decorator's function (torch.no_grad's is torch's own) holds the
+                # decorated one in its closure; functools.wraps names it too.
+                todo.extend(_wrapped(obj))
+                if obj.__globals__ is not namespace:
+                    continue   # another module's: its globals are not __main__'s
             for code in _codes(obj if cell else obj.__code__):
                 # A cell's own statements bind names with STORE_NAME (a module's code);
                 # in the functions and classes it defines, that is a local or a class
                 # attribute.
-                found |= _stores(code, wanted, cell and code is obj)
-                for name in code.co_names:
-                    value = namespace.get(name)
-                    if isinstance(value, types.FunctionType) or (
-                            isinstance(value, type) and value.__module__ in _MAIN_NAMES):
-                        todo.append(value)
+                stores, loads = _scan(code, namespace, wanted, cell and code is obj)
+                found |= stores
+                todo.extend(namespace[name] for name in loads)
+        else:
+            todo.extend(_wrapped(obj))   # functools.lru_cache's wrapper, say
     return found
+
+
+def _wrapped(obj) -> list:
+    """The callables a decorator's result `obj` holds: its ``__wrapped__`` (read from
+    its own dict: no descriptor or ``__getattr__`` runs) and, for a function, its
+    closure's."""
+    found = []
+    wrapped = _own_dict(obj).get("__wrapped__")
+    if wrapped is not None:
+        found.append(wrapped)
+    if type(obj) is types.FunctionType and obj.__closure__:
+        for cell in obj.__closure__:
+            try:
+                value = cell.cell_contents
+            except ValueError:   # empty
+                continue
+            if isinstance(value, _FOLLOWED):
+                found.append(value)
+    return found
+
+
+def _own_dict(obj) -> dict:
+    # The object's own attributes, read without running its __getattr__ or a property.
+    try:
+        own = object.__getattribute__(obj, "__dict__")
+    except Exception:  # noqa: BLE001 - no __dict__, or an odd one
+        return {}
+    return own if type(own) is dict else {}
 
 
 def _codes(code):
@@ -236,15 +319,52 @@ def _codes(code):
             yield from _codes(const)
 
 
-def _stores(code, wanted: Set[str], module_level: bool) -> Set[str]:
+def _followed(value, namespace: dict) -> bool:
+    """Whether a global holding `value` leads to code that may assign `__main__`'s
+    names: a function of `__main__`, one that wraps another (a decorator's), a class of
+    `__main__`. Another module's plain function does not, nor does any other object."""
+    if type(value) is types.FunctionType:
+        return (value.__globals__ is namespace or value.__closure__ is not None
+                or "__wrapped__" in value.__dict__)
+    if isinstance(value, type):
+        return value.__module__ in _MAIN_NAMES
+    return isinstance(value, _FOLLOWED) or "__wrapped__" in _own_dict(value)
+
+
+def _scan(code, namespace: dict, wanted: Set[str], module_level: bool):
+    """(the names of `wanted` that `code` assigns in its module, the names it reads
+    from there that hold functions or `__main__` classes). The bytecode is read only
+    where `code`'s names or constants could give an answer: most code costs a set test
+    and a few look-ups."""
     names = code.co_names
-    if wanted.isdisjoint(names):
-        return set()
-    ops = (_STORE_GLOBAL, _STORE_NAME) if module_level else (_STORE_GLOBAL,)
-    found, raw, extended = set(), code.co_code, 0
+    candidates = [n for n in names if _followed(namespace.get(n), namespace)]
+    subscripts = "globals" in names and any(
+        type(c) is str and c in wanted for c in code.co_consts)
+    if not candidates and not subscripts and wanted.isdisjoint(names):
+        return set(), ()
+    stores_ops = (_STORE_GLOBAL, _STORE_NAME) if module_level else (_STORE_GLOBAL,)
+    consts, count = code.co_consts, len(names)
+    stores, loads, keys = set(), set(), set()
+    raw, extended, const = code.co_code, 0, None
     for i in range(0, len(raw), 2):
         op, arg = raw[i], raw[i + 1] | extended
-        extended = arg << 8 if op == opcode.EXTENDED_ARG else 0
-        if op in ops and arg < len(names) and names[arg] in wanted:
-            found.add(names[arg])
-    return found
+        if op == _EXTENDED_ARG:
+            extended = arg << 8
+            continue
+        extended = 0
+        if op in stores_ops:
+            if arg < count:
+                stores.add(names[arg])
+        elif op == _LOAD_GLOBAL:
+            arg >>= _LOAD_GLOBAL_SHIFT
+            if arg < count:
+                loads.add(names[arg])
+        elif op in _LOAD_NAMES:
+            if arg < count:
+                loads.add(names[arg])
+        elif op == _STORE_SUBSCR and type(const) is str:
+            keys.add(const)   # x["name"] = ...: the namespace's when x is globals()
+        const = consts[arg] if op == _LOAD_CONST and arg < len(consts) else None
+    if "globals" in loads:
+        stores |= keys
+    return stores & wanted, [n for n in candidates if n in loads]

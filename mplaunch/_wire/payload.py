@@ -160,7 +160,9 @@ class _PayloadPickler(Pickler):
     def _main_function(self, func):
         """cloudpickle's reduction of a function whose globals are `__main__`'s, told
         which of the globals it names are the classes and functions `__main__` defines
-        under that name (those follow the caller even over a rank's own name)."""
+        under that name (those follow the caller even over a rank's own name), and
+        which it names that `__main__` lacks (a World's ranks drop the values of those
+        they got from here)."""
         rv = _cloudpickle_reduce(self, func)
         try:
             named = rv[2][1]["__globals__"]
@@ -169,10 +171,21 @@ class _PayloadPickler(Pickler):
         main = self._main
         return mainglobals.function_reduce(
             rv, [k for k, v in named.items() if isinstance(v, (types.FunctionType, type))
-                 and mainmod.main_qualname(v, main) == k])
+                 and mainmod.main_qualname(v, main) == k],
+            [k for k in _code_globals(func.__code__) if k not in named])
 
 
 _cloudpickle_reduce = Pickler.reducer_override
+
+
+def _code_globals(code):
+    """The global names `code` reads, writes or deletes, nested code's too: those whose
+    values cloudpickle sends where `__main__` has them (its own look-up, cached per code
+    object; every release since 1.0 has it). Without it, no name is said missing: a
+    name deleted here would keep its last value in a World's ranks."""
+    find = getattr(sys.modules.get("cloudpickle.cloudpickle"), "_extract_code_globals",
+                   None)
+    return find(code) if find is not None else ()
 
 
 class _InputsPickler(_PayloadPickler):
