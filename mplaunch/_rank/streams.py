@@ -13,15 +13,63 @@
 """
 from __future__ import annotations
 
+import array
 import builtins
+import fcntl
 import io
 import os
+import stat
 import sys
+import termios
+import time
 
 from .._wire import linux
 
 # mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.serve)
 __mplaunch_plumbing__ = True
+
+
+class _StderrPipe(io.FileIO):
+    """The rank's stderr. stdout and stderr are pipes of their own to the launching
+    process, which reads the two as they become ready, so text written to one after
+    the other could be relayed first: tqdm's last frames on stderr came after the line
+    printed next on stdout, leaving a bar frozen at 90% above it. So a write that
+    follows a write to the other stream first lets the launching process read what
+    that one holds (waiting at most _HANDOFF): a rank's streams are relayed in the
+    order it wrote them. The stdout side of it is print() (_print), not a hook on
+    every stdout write: a Python method under TextIOWrapper costs about a microsecond
+    a write, and print is how ranks write to stdout. Writes that go to the fds some
+    other way (sys.stdout.write, C code, a subprocess) are not ordered."""
+
+    def write(self, b):
+        if _last[0] == 1 and _ordered:
+            _wait_read(1)
+        _last[0] = 2
+        return super().write(b)
+
+
+_last: list = [None]      # 1 or 2: the stream print() or stderr wrote to last
+_ordered: list = []       # non-empty where both streams are pipes
+_HANDOFF = 0.25
+
+
+def _wait_read(fd: int) -> None:
+    """Until the launching process has read everything pipe `fd` holds, or _HANDOFF."""
+    count = array.array("i", [0])
+    deadline = None
+    while True:
+        try:
+            fcntl.ioctl(fd, termios.FIONREAD, count, True)
+        except OSError:
+            return
+        if count[0] == 0:
+            return
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now + _HANDOFF
+        elif now >= deadline:
+            return
+        time.sleep(0)   # the launching process needs the CPU to read it
 
 
 class _TerminalPipe(io.FileIO):
@@ -57,6 +105,9 @@ def take_over(fds: dict, terminal: dict, unbuffered: bool) -> None:
     # Fresh Python streams over the new fds; anything buffered in the inherited objects
     # belongs to another process and is dropped, not flushed.
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    _ordered[:] = [True] if all(stat.S_ISFIFO(os.fstat(fd).st_mode) for fd in (1, 2)) \
+        else []
+    _last[0] = None
     sys.stdout = _writer(1, terminal.get("stdout", False), unbuffered)
     sys.stderr = _writer(2, terminal.get("stderr", False), unbuffered)
     sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
@@ -68,8 +119,18 @@ def take_over(fds: dict, terminal: dict, unbuffered: bool) -> None:
         builtins.print = _print
 
 
+class _StderrTerminalPipe(_StderrPipe):
+    """stderr, ordered as _StderrPipe, ending on a terminal as _TerminalPipe."""
+
+    def isatty(self) -> bool:
+        return True
+
+
 def _writer(fd: int, tty: bool, unbuffered: bool) -> io.TextIOWrapper:
-    raw = (_TerminalPipe if tty else io.FileIO)(fd, "w", closefd=False)
+    if fd == 2:
+        raw = (_StderrTerminalPipe if tty else _StderrPipe)(fd, "w", closefd=False)
+    else:
+        raw = (_TerminalPipe if tty else io.FileIO)(fd, "w", closefd=False)
     if unbuffered:
         return io.TextIOWrapper(raw, write_through=True, errors="backslashreplace")
     return io.TextIOWrapper(raw, line_buffering=True, errors="backslashreplace")
@@ -126,6 +187,10 @@ def _print(*args, sep=None, end=None, file=None, flush=False):
             or (sep is not None and type(sep) is not str)
             or (end is not None and type(end) is not str)):
         return _builtin_print(*args, sep=sep, end=end, file=file, flush=flush)
+    if file is _own[0]:
+        if _last[0] == 2 and _ordered:
+            _wait_read(2)      # what stderr holds is relayed first (_StderrPipe)
+        _last[0] = 1
     if sep is None:
         sep = " "
     parts = []
