@@ -25,7 +25,14 @@ launch with a one-element input, in units of the input: the copies of it on the
 machine. A case whose estimated peak memory would not fit in 80% of MemAvailable is
 skipped, and said so.
 
-Last, a World(4) runs the same function twice with the same tensor (mplaunch only).
+Last, a World(4) runs the same function three times on the same tensor (mplaunch only),
+two ways side by side: as an argument (``world.run(f, (t,))``), and as a global of
+``__main__`` that the function reads (``t`` made at the top of a script or in a
+notebook cell, ``def f(): ... t ...``; ``world.run(f)``). Per call: the time to the
+last rank's first and full read, the peak of the summed PSS of this process and every
+process below it while the call ran, the largest rank USS seen meanwhile, and after the
+call the largest rank USS and the ranks' summed PSS (what they hold between calls).
+``--world-only`` runs these alone.
 """
 from __future__ import annotations
 
@@ -74,6 +81,15 @@ def world_work(t):
     t_first = time.time()
     float(t.sum()) + first
     return t_first, time.time()
+
+
+GLOBAL_T = None   # the global case's tensor: set at the top level of this __main__
+
+
+def world_global_work():
+    """world_work on a global of `__main__`: this function travels by value, and
+    GLOBAL_T with it (the notebook's ``x = torch.randn(...)`` read by ``def train()``)."""
+    return world_work(GLOBAL_T)
 
 
 # -- in the measuring interpreter ---------------------------------------------------------
@@ -185,18 +201,73 @@ def measure(launcher, nbytes, n):
     return figures
 
 
-def measure_world(nbytes, n=4):
+class _Peak:
+    """Samples, while a call runs, the summed PSS of this process and every process
+    below it, and each rank's USS: their peaks."""
+
+    def __init__(self, ranks):
+        self.ranks, self.pss, self.uss = list(ranks), 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self):
+        import psutil
+        me = psutil.Process()
+        try:
+            procs = [me.pid] + [p.pid for p in me.children(recursive=True)]
+        except psutil.Error:
+            return
+        rolls = {pid: rollup(pid) for pid in procs}
+        self.pss = max(self.pss, sum(r.get("Pss", 0) for r in rolls.values()))
+        for pid in self.ranks:
+            r = rolls.get(pid) or rollup(pid)
+            self.uss = max(self.uss, r.get("Private_Clean", 0) + r.get("Private_Dirty", 0))
+
+    def _run(self):
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(0.02)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        # What the ranks hold once the call is over (all have mapped what they share:
+        # a page only one rank has read yet counts in its USS while the call runs).
+        rolls = [rollup(pid) for pid in self.ranks]
+        self.after_uss = max(r.get("Private_Clean", 0) + r.get("Private_Dirty", 0)
+                             for r in rolls)
+        self.after_pss = sum(r.get("Pss", 0) for r in rolls)
+
+
+def measure_world(nbytes, n=4, how="argument", calls=3):
+    """`how`: "argument" (world.run(world_work, (t,))) or "global" (world.run(
+    world_global_work), the tensor a global of this `__main__`)."""
+    global GLOBAL_T
     import mplaunch
     import torch
     t = torch.rand(nbytes // 4)
+    if how == "global":
+        GLOBAL_T = t
+        func, args = world_global_work, ()
+    else:
+        func, args = world_work, (t,)
     out = []
     with mplaunch.World(n) as world:
         world.run(len, ((),))
-        for _ in range(2):
-            t0 = time.time()
-            times = world.run(world_work, (t,))
+        for _ in range(calls):
+            with _Peak(world.pids.values()) as peak:
+                t0 = time.time()
+                times = world.run(func, args)
+                t_end = time.time()
             out.append({"first": max(a for a, _ in times) - t0,
-                        "all": max(b for _, b in times) - t0})
+                        "all": max(b for _, b in times) - t0, "call": t_end - t0,
+                        "peak_pss": peak.pss, "rank_uss": peak.uss,
+                        "after_uss": peak.after_uss, "after_pss": peak.after_pss})
     return {"calls": out, "module": mplaunch.__file__}
 
 
@@ -242,23 +313,27 @@ def main():
     ap.add_argument("--before", default=None, metavar="PATH",
                     help="also measure mplaunch from this checkout ('before')")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--world-only", action="store_true",
+                    help="only the World cases (argument and global)")
     ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--world-how", default="argument", help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.one:
         print(json.dumps(measure(ns.one[0], int(ns.one[1]), int(ns.one[2]))))
         return
     if ns.world:
-        print(json.dumps(measure_world(ns.world)))
+        print(json.dumps(measure_world(ns.world, how=ns.world_how)))
         return
     sizes = [256] if ns.quick else [int(s) for s in ns.sizes.split(",")]
     nprocs = [2] if ns.quick else [int(n) for n in ns.nprocs.split(",")]
     launchers = ns.launchers.split(",") + (["before"] if ns.before else [])
     results: dict = {"cases": [], "world": []}
     baselines: dict = {}
-    print(f"{'input':>8} {'ranks':>5}  {'launcher':<20}{'first read':>11}{'all read':>10}"
-          f"{'summed PSS':>12}{'copies':>8}{'rank USS (max)':>16}")
-    for mib in sizes:
+    if not ns.world_only:
+        print(f"{'input':>8} {'ranks':>5}  {'launcher':<20}{'first read':>11}"
+              f"{'all read':>10}{'summed PSS':>12}{'copies':>8}{'rank USS (max)':>16}")
+    for mib in ([] if ns.world_only else sizes):
         for n in nprocs:
             for launcher in launchers:
                 size = mib * MIB
@@ -291,22 +366,35 @@ def main():
                       flush=True)
                 results["cases"].append(row)
     print()
-    print("World(4).run(f, (t,)) twice with the same tensor: first read / all read")
+    print("World(4), three calls on the same tensor t: as an argument, world.run(f, (t,)); "
+          "as a global of __main__ that f reads, world.run(f)")
+    print(f"{'input':>8}  {'launcher':<10}{'t is':<10}{'call':>5}{'first read':>11}"
+          f"{'all read':>10}{'call':>8}{'peak PSS':>11}{'rank USS':>10}"
+          f"{'after: rank USS':>17}{'ranks PSS':>11}")
     for mib in sizes:
         for launcher in [x for x in launchers if x in ("mplaunch", "before")]:
             path = ns.before if launcher == "before" else None
-            if _estimate(launcher, mib * MIB, 4) > 0.8 * _mem_available():
-                print(f"{mib:>5}MiB  {launcher:<10} skipped: does not fit")
-                continue
-            try:
-                r = _one(["--world", str(mib * MIB)], path)
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                print(f"{mib:>5}MiB  {launcher:<10} failed: {exc}")
-                continue
-            calls = "   ".join(f"call {i + 1}: {c['first']:.2f}s / {c['all']:.2f}s"
-                               for i, c in enumerate(r["calls"]))
-            print(f"{mib:>5}MiB  {launcher:<10} {calls}", flush=True)
-            results["world"].append({"mib": mib, "launcher": launcher, **r})
+            for how in ("argument", "global"):
+                head = f"{mib:>5}MiB  {launcher:<10}{how:<10}"
+                # the global case before issue 38: a copy per rank, and the stream's
+                need = (_estimate("before", mib * MIB, 4) if how == "global"
+                        else _estimate(launcher, mib * MIB, 4))
+                if need > 0.8 * _mem_available():
+                    print(f"{head}skipped: does not fit")
+                    continue
+                try:
+                    r = _one(["--world", str(mib * MIB), "--world-how", how], path)
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    print(f"{head}failed: {exc}")
+                    continue
+                for i, c in enumerate(r["calls"]):
+                    print(f"{head if i == 0 else ' ' * len(head)}{i + 1:>5}"
+                          f"{c['first']:>10.2f}s{c['all']:>9.2f}s{c['call']:>7.2f}s"
+                          f"{c['peak_pss'] / GIB:>9.2f}GiB{c['rank_uss'] / MIB:>6.0f} MiB"
+                          f"{c['after_uss'] / MIB:>13.0f} MiB{c['after_pss'] / GIB:>8.2f}GiB",
+                          flush=True)
+                results["world"].append({"mib": mib, "launcher": launcher, "how": how,
+                                         **r})
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -25,9 +25,17 @@ Rejected:
 
 The file: the pickles as `_wire.payload.dumps_payload` writes them (without their last 8
 bytes), then each buffer at a page boundary, then a table (where each out-of-band slot's
-bytes lie), then 24 bytes: the table's offset, MAGIC, and the `__main__` part's offset
-(the last 8 bytes, where _wire.mainmod looks for it). A payload without large buffers is
-written exactly as before, and a rank tells the two apart by MAGIC.
+bytes lie, and which slots are the `__main__` part's), then 24 bytes: the table's offset,
+MAGIC, and the `__main__` part's offset (the last 8 bytes, where _wire.mainmod looks for
+it). A payload without large buffers is written exactly as before, and a rank tells the
+two apart by MAGIC.
+
+Both pickles put their buffers here: the arguments' and the `__main__` part's (the
+globals of the caller's functions: a tensor a notebook cell made and a function reads).
+The `__main__` part's slots come last, in stream order as the others; the rank loads
+that part first, and its spawn and forkserver children load it again from the rank's
+fd (_wire.mainmod.fill_child_main): where it has buffers, the rank keeps the whole file
+there (`read_payload`), until its next call's payload arrives.
 """
 from __future__ import annotations
 
@@ -44,7 +52,7 @@ from . import linux
 from .memory import memory_cgroup
 
 __all__ = ["MIN_BYTES", "Sink", "Payload", "InputsTooLarge", "memfd_of", "read_payload",
-           "lendable", "plan", "seal", "Raw", "Copy"]
+           "Buffers", "main_buffers", "lendable", "plan", "seal", "Raw", "Copy"]
 
 MIN_BYTES = 1 << 16           # below this, in the stream: cheaper than a page and a slot
 _PAGE = mmap.PAGESIZE
@@ -57,7 +65,8 @@ _SEALS = (getattr(fcntl, "F_SEAL_WRITE", 8) | getattr(fcntl, "F_SEAL_SHRINK", 2)
 
 
 class InputsTooLarge(MemoryError):
-    """The arguments' large buffers are more than this machine can hold in shared
+    """A call's large buffers (its arguments', and those of the globals its functions of
+    `__main__` read) are more than this machine can hold in shared
     memory now: nothing was started. ``nbytes`` is what they need, ``limit`` what is
     there, ``source`` where that figure comes from. Pass less, or have each rank load
     its data itself (e.g. ``np.load(path, mmap_mode="r")`` in the function)."""
@@ -65,7 +74,8 @@ class InputsTooLarge(MemoryError):
     def __init__(self, nbytes: int, limit: int, source: str):
         self.nbytes, self.limit, self.source = nbytes, limit, source
         super().__init__(
-            f"mplaunch: the arguments' large buffers need {size_text(nbytes)} of shared memory "
+            f"mplaunch: the large buffers of the call's arguments (and of the globals its "
+            f"functions read) need {size_text(nbytes)} of shared memory "
             f"(written once, mapped by every rank), more than the {size_text(limit)} this "
             f"machine can lend now ({source}); nothing was started. Pass less, or load the "
             "data in each rank (np.load(path, mmap_mode='r'), torch.load(path, mmap=True)).")
@@ -137,6 +147,12 @@ class Sink:
         self.sources: list = []
         self.slots: List[int] = []      # per out-of-band buffer, in stream order: a source
         self._keyed: dict = {}
+        self.main_from: Optional[int] = None   # the first slot of the `__main__` part
+
+    def main_part(self) -> None:
+        """The buffers from now on are the `__main__` part's (a pickle of its own, that
+        the rank loads first and its children load again)."""
+        self.main_from = len(self.slots)
 
     def __call__(self, buf: pickle.PickleBuffer) -> bool:
         obj = memoryview(buf).obj
@@ -166,7 +182,8 @@ class Sink:
         Payload; InputsTooLarge if its buffers do not fit."""
         if not self.slots:
             return pickled
-        payload = Payload(pickled, self.sources, self.slots)
+        main_from = self.main_from if self.main_from is not None else len(self.slots)
+        payload = Payload(pickled, self.sources, self.slots, main_from)
         limit, source = lendable()
         if payload.nbytes > limit:
             raise InputsTooLarge(payload.nbytes, limit, source)
@@ -185,7 +202,8 @@ class Payload:
     """A payload with buffers out of band: the pickles, and where each buffer's bytes are
     in the caller's memory until `memfd` writes the file the ranks read."""
 
-    def __init__(self, pickled: bytes, sources: Sequence, slots: Sequence[int]):
+    def __init__(self, pickled: bytes, sources: Sequence, slots: Sequence[int],
+                 main_from: Optional[int] = None):
         self.pickled = pickled
         self._sources: Optional[Sequence] = sources
         head = len(pickled) - 8
@@ -195,8 +213,10 @@ class Payload:
             self._offsets.append(at)
             at = _align(at + s.nbytes)
         self.region_end = self._offsets[-1] + sources[-1].nbytes
+        main_from = len(slots) if main_from is None else main_from
         table = pickle.dumps((head, self.region, self.region_end,
-                              [(self._offsets[i], sources[i].nbytes) for i in slots]),
+                              [(self._offsets[i], sources[i].nbytes) for i in slots],
+                              main_from),
                              protocol=pickle.HIGHEST_PROTOCOL)
         self._tail = (table + self.region_end.to_bytes(8, "little") + MAGIC
                       + pickled[-8:])
@@ -405,12 +425,21 @@ _RECHECK = 256 << 20
 
 # -- the rank's side --------------------------------------------------------------------
 
+class Buffers(list):
+    """A payload's out-of-band buffers in stream order; those from `main_at` on are the
+    `__main__` part's (loaded first, by _wire.mainmod)."""
+    __slots__ = ("main_at",)
+
+
 def read_payload(fd: int):
     """In a rank: (the payload's pickles as dumps_payload wrote them, the buffers for
-    pickle.loads). The buffers are memoryviews of one private mapping of the file: they
-    keep it (and the file) alive as long as anything made from them lives. The fd is
-    then replaced, in place, by a memfd of the pickles alone: the rank's children read
-    its `__main__` there, and the buffers are not held by it."""
+    pickle.loads: a `Buffers`). The buffers are memoryviews of one private mapping of
+    the file: they keep it (and the file) alive as long as anything made from them
+    lives. The fd is then replaced, in place, by a memfd of the pickles alone: the
+    rank's children read its `__main__` there, and the buffers are not held by it;
+    except where the `__main__` part has buffers of its own, which those children map
+    from this file too: it stays whole at `fd` until the next payload is read."""
+    _let_go_of_kept()
     size = os.fstat(fd).st_size
     # A small file is read whole, as before there were buffers (one call: the common
     # path costs nothing more); of a large one, the tail first.
@@ -421,20 +450,87 @@ def read_payload(fd: int):
     table_at = int.from_bytes(tail[:8], "little")
     table = (whole_file[table_at:size - _TAIL] if whole_file is not None
              else _pread_all(fd, size - _TAIL - table_at, table_at))
-    head, region, region_end, slots = pickle.loads(table)
+    head, region, region_end, slots, main_from = _table(table)
     data = (whole_file[:head] if whole_file is not None else _pread_all(fd, head, 0)) \
         + tail[16:]
     del whole_file
-    mapping = mmap.mmap(fd, region_end - region, access=mmap.ACCESS_COPY, offset=region)
-    whole = memoryview(mapping)
-    buffers = [whole[at - region:at - region + n] for at, n in slots]
-    whole.release()
+    found = Buffers(_mapped_slots(fd, region, region_end, slots))
+    found.main_at = main_from
+    if main_from < len(slots):
+        _keep_whole(fd)
+        return data, found
     small = linux.memfd_with(data, "mplaunch-payload")
     try:
         os.dup2(small, fd, inheritable=os.get_inheritable(fd))
     finally:
         os.close(small)
-    return data, buffers
+    return data, found
+
+
+def main_buffers(fd: int) -> list:
+    """The out-of-band buffers of the `__main__` part of the payload file at `fd` (a
+    rank's, which a child of it opened), mapped copy-on-write: the pages the rank maps.
+    Empty for a file without buffers."""
+    size = os.fstat(fd).st_size
+    if size < _TAIL + 2:
+        return []
+    tail = _pread_all(fd, _TAIL, size - _TAIL)
+    if tail[8:16] != MAGIC:
+        return []
+    table_at = int.from_bytes(tail[:8], "little")
+    _, region, region_end, slots, main_from = _table(
+        _pread_all(fd, size - _TAIL - table_at, table_at))
+    if main_from >= len(slots):
+        return []
+    return _mapped_slots(fd, region, region_end, slots)[main_from:]
+
+
+def _table(data: bytes):
+    """(head, region, region_end, slots, main_from): a table without main_from is of a
+    payload whose `__main__` part had no buffers."""
+    head, region, region_end, slots, *rest = pickle.loads(data)
+    return head, region, region_end, slots, (rest[0] if rest else len(slots))
+
+
+def _mapped_slots(fd: int, region: int, region_end: int, slots) -> list:
+    mapping = mmap.mmap(fd, region_end - region, access=mmap.ACCESS_COPY, offset=region)
+    whole = memoryview(mapping)
+    found = [whole[at - region:at - region + n] for at, n in slots]
+    whole.release()
+    return found
+
+
+# The payload fd a rank keeps whole for its children ((fd, device, inode)), until its
+# next payload arrives: then that fd becomes an empty memfd, in place (its number is the
+# caller's to close), and the file is held only by what still maps it. Its children have
+# read it by then (they load `__main__` when they start), and the rank's `__main__`
+# names the new payload from its next load on.
+_kept: Optional[Tuple[int, int, int]] = None
+
+
+def _keep_whole(fd: int) -> None:
+    global _kept
+    st = os.fstat(fd)
+    _kept = (fd, st.st_dev, st.st_ino)
+
+
+def _let_go_of_kept() -> None:
+    global _kept
+    kept, _kept = _kept, None
+    if kept is None:
+        return
+    fd, dev, ino = kept
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return    # closed already
+    if (st.st_dev, st.st_ino) != (dev, ino):
+        return    # the number is another file's now
+    empty = linux.memfd_with(b"", "mplaunch-payload")
+    try:
+        os.dup2(empty, fd, inheritable=os.get_inheritable(fd))
+    finally:
+        os.close(empty)
 
 
 def _pread_all(fd: int, n: int, at: int) -> bytes:

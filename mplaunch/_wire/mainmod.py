@@ -38,7 +38,7 @@ import pickle
 import sys
 import types
 
-from . import mainglobals
+from . import buffers as _buffers, mainglobals
 
 __all__ = ["MAIN_NAMES", "ENV", "main_qualname", "main_attr", "MainGlobals",
            "main_offset", "become_main", "publish", "fill_child_main"]
@@ -110,10 +110,11 @@ def main_offset(payload) -> int:
     return int.from_bytes(payload[-8:], "little")
 
 
-def become_main(data, path: str) -> None:
+def become_main(data, path: str, buffers=()) -> None:
     """In a rank: make a fresh `__main__` and fill it from `data` (the pickle of the
-    `__main__` definitions in the payload); the rank's children will read it again
-    from `path`. Must run before the rest of the payload is unpickled."""
+    `__main__` definitions in the payload, and `buffers`, its out-of-band ones: the
+    large tensors and arrays its functions' globals hold); the rank's children will
+    read it again from `path`. Must run before the rest of the payload is unpickled."""
     main = sys.modules.get("__main__")
     if not isinstance(main, _RankMain):
         main = _RankMain("__main__")
@@ -128,7 +129,7 @@ def become_main(data, path: str) -> None:
     mainglobals.track(vars(main))
     mainglobals.settle()
     os.environ.pop(ENV, None)  # a nested launch's value is not ours
-    part = pickle.loads(data)
+    part = pickle.loads(data, buffers=buffers)
     if part is None:  # nothing from `__main__` in this launch
         return
     names, attrs, objects = part
@@ -168,10 +169,13 @@ def fill_child_main(namespace: dict) -> None:
     try:
         with open(path, "rb") as f:
             f.seek(-8, os.SEEK_END)
-            f.seek(main_offset(f.read(8)))
+            at = main_offset(f.read(8))
+            # the rank's pages of the large values its functions' globals hold
+            mapped = _buffers.main_buffers(f.fileno())
+            f.seek(at)
             _filling = namespace
             try:
-                part = pickle.load(f)
+                part = pickle.load(f, buffers=mapped)
             finally:
                 _filling = None
     except OSError as exc:

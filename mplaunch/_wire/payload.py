@@ -31,9 +31,10 @@ def _pickling_problem(obj) -> str | None:
 
 def dumps_payload(func, args, kwargs):
     """Pickle what every rank runs, once. On failure, name the piece that would not
-    pickle, so the user knows what to change. Bytes, or where the arguments hold large
-    buffers (tensors, arrays), a _wire.buffers.Payload: those go out of band, into the
-    file every rank maps (InputsTooLarge, a MemoryError, if they cannot fit).
+    pickle, so the user knows what to change. Bytes, or where the arguments (or the
+    globals the `__main__` part carries) hold large buffers (tensors, arrays), a
+    _wire.buffers.Payload: those go out of band, into the file every rank maps
+    (InputsTooLarge, a MemoryError, if they cannot fit).
 
     Two pickles, then the offset of the second: the function, its arguments and the
     sources of unsaved code, which name the classes and functions of `__main__` they
@@ -51,8 +52,11 @@ def dumps_payload(func, args, kwargs):
             names = tuple(n for n in mainmod.MAIN_NAMES if sys.modules.get(n) is main)
             attrs = {k: vars(main)[k] for k in ("__file__", "__package__")
                      if k in vars(main)}
+            # The globals of `__main__`'s functions (a tensor a notebook cell made) go
+            # out of band as the arguments do: one copy per machine, not one per rank.
+            sink.main_part()
             with _by_value(main):
-                _PayloadPickler(out, main, by_name=False).dump(
+                _MainPartPickler(out, main, by_name=False, buffer_callback=sink).dump(
                     (names, attrs, pickler.found))
         else:
             pickle.dump(None, out, protocol=pickle.HIGHEST_PROTOCOL)
@@ -100,9 +104,12 @@ def loads_payload(data: bytes, main_path: str, buffers=()):
     """In a rank: make `__main__` from the payload's second pickle (its children will
     read that again from `main_path`), then return (func, args, kwargs). `buffers`: the
     out-of-band ones (_wire.buffers.read_payload)."""
-    mainmod.become_main(memoryview(data)[mainmod.main_offset(data):-8], main_path)
+    # The `__main__` part's buffers follow the first pickle's (its slots come last).
+    main_at = getattr(buffers, "main_at", len(buffers))
+    mainmod.become_main(memoryview(data)[mainmod.main_offset(data):-8], main_path,
+                        buffers[main_at:])
     # stops at the first pickle's end
-    func, args, kwargs, sources = pickle.loads(data, buffers=buffers)
+    func, args, kwargs, sources = pickle.loads(data, buffers=buffers[:main_at])
     import linecache
     for filename, lines in sources.items():
         linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
@@ -193,6 +200,15 @@ class _InputsPickler(_PayloadPickler):
     with gaps by their bytes, out of band (_wire.reducers, _wire.buffers)."""
 
     dispatch_table = ChainMap(reducers.REDUCERS, _PayloadPickler.dispatch_table)
+
+
+class _MainPartPickler(_PayloadPickler):
+    """The payload's `__main__` part: the classes and functions of `__main__` by value,
+    with the globals they read, whose large buffers go out of band as the arguments'
+    do. A CUDA tensor there is not refused (an argument is): it travels as torch
+    pickles it, as it always did."""
+
+    dispatch_table = ChainMap(reducers.GLOBAL_REDUCERS, _PayloadPickler.dispatch_table)
 
 
 @contextlib.contextmanager

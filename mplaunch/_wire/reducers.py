@@ -11,6 +11,10 @@ Rejected: a persistent_id for tensors, as the results use (_wire.payload.ResultP
 It needs an Unpickler subclass in the rank; here the rank calls plain ``pickle.loads``
 with the buffers, and a tensor's bytes are an out-of-band buffer like numpy's.
 
+The same reducers serve the payload's `__main__` part (the globals that the call's
+functions of `__main__` read: a tensor a notebook cell made), but for a device tensor,
+which an argument may not be and a global still may (GLOBAL_REDUCERS).
+
 Views keep what a user sees of them: a dense view (contiguous, or permuted: ``x.T``,
 channels_last) keeps its strides and sends its span; a view with gaps (``x[::2]``)
 arrives contiguous, as ``.contiguous()`` would make it, its elements only, never the
@@ -26,6 +30,8 @@ from .buffers import MIN_BYTES, Copy, Raw, Sink, plan
 __all__ = ["REDUCERS", "CannotSend", "sink"]
 
 REDUCERS: dict = {}   # type -> reducer: the first map of the payload pickler's dispatch
+# The same for the payload's `__main__` part (the globals of `__main__`'s functions).
+GLOBAL_REDUCERS: dict = {}
 
 
 def sink() -> Sink:
@@ -34,9 +40,11 @@ def sink() -> Sink:
     torch = sys.modules.get("torch")
     if torch is not None and torch.Tensor not in REDUCERS:
         REDUCERS[torch.Tensor] = _reduce_tensor
+        GLOBAL_REDUCERS[torch.Tensor] = _reduce_global_tensor
     np = sys.modules.get("numpy")
     if np is not None and np.ndarray not in REDUCERS:
         REDUCERS[np.ndarray] = _reduce_array
+        GLOBAL_REDUCERS[np.ndarray] = _reduce_array
     return Sink()
 
 
@@ -97,6 +105,15 @@ def _reduce_tensor(t):
         data = plan(Raw(raw, t), (t.data_ptr(), nbytes))
     return _tensor_from, (data, t.dtype, shape, stride, bool(t.requires_grad),
                           _obj_state(torch, t))
+
+
+def _reduce_global_tensor(t):
+    """A tensor that a global of `__main__` holds: as an argument, except a device
+    tensor, which is not refused there (it never was: a notebook's model on the GPU,
+    read by a function, arrives as torch pickles it)."""
+    if t.device.type not in ("cpu", "meta"):
+        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return _reduce_tensor(t)
 
 
 def _contiguous_strides(shape) -> tuple:
