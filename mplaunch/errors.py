@@ -53,19 +53,23 @@ class RankFailure:
     rank's peak resident memory in bytes, once its process was reaped (None while it
     was not, or for a failure of no process). For a rank killed by a signal,
     ``message`` says what is known of why (the kernel's OOM killer, when it says so).
+    ``released`` is set for a rank of a :class:`~mplaunch.World` that failed only
+    because the World ended the call (another rank failed, Ctrl-C, the timeout): how,
+    "released from torch.distributed.all_reduce" or "interrupted"; its exception
+    (gloo's lost connection, KeyboardInterrupt) is that ending's, not its own error.
     """
 
     __module__ = "mplaunch"
     __slots__ = (
         "rank", "pid", "exitcode", "signal", "exc_type", "message", "traceback",
         "stderr_tail", "attempt", "timestamp", "local_rank", "node_rank", "hostname",
-        "max_rss",
+        "max_rss", "released",
     )
 
     def __init__(self, rank, pid=None, exitcode=None, signal=None, exc_type=None,
                  message=None, traceback=None, stderr_tail=None, attempt=0,
                  timestamp=None, local_rank=None, node_rank=0, hostname=None,
-                 max_rss=None):
+                 max_rss=None, released=None):
         self.rank = rank
         self.pid = pid
         self.exitcode = exitcode
@@ -79,7 +83,8 @@ class RankFailure:
         self.local_rank = rank if local_rank is None else local_rank
         self.node_rank = node_rank
         self.hostname = hostname
-        self.max_rss = max_rss   # last: pickles made before it existed still load
+        self.max_rss = max_rss
+        self.released = released   # last: pickles made before it existed still load
 
     def __reduce__(self):
         return (RankFailure, tuple(getattr(self, k) for k in self.__slots__))
@@ -94,14 +99,18 @@ class RankFailure:
     def describe(self) -> str:
         """One line: what happened to this rank. For an exception: its type, the first
         line of its message, where it was raised (:attr:`location`) and, for
-        ``SystemExit``, the exit code."""
+        ``SystemExit``, the exit code; for a rank the World ``released``: how, and
+        where."""
         who = f"rank {self.rank}"
         if self.pid is not None:
             who += f" (pid {self.pid}"
             if self.hostname:
                 who += f" on {self.hostname}"
             who += ")"
-        if self.exc_type is not None:
+        if self.released:
+            where = self.location
+            what = f"was {self.released}" + (f" at {where}" if where else "")
+        elif self.exc_type is not None:
             what = f"raised {self.exc_type}"
             head = _first_line(self.message)[0]
             if head:
@@ -200,11 +209,14 @@ class WorkerError(MPLaunchError):
         if first.exc_type is not None:
             # describe() keeps to the message's first line; the rest is said here.
             lines.extend(_first_line(first.message)[1])
-        others = self.failures[1:]
+        others = [f for f in self.failures[1:] if not f.released]
         if others:
             lines.append(f"{len(others)} more rank(s) failed after it: "
                          + "; ".join(f.describe() for f in others[:8])
                          + (" ..." if len(others) > 8 else ""))
+        released = [f for f in self.failures[1:] if f.released]
+        if released:
+            lines.append(_released_line(released))
         for i, attempt in enumerate(self.previous_attempts):
             if attempt:
                 lines.append(f"earlier attempt {attempt[0].attempt}: "
@@ -218,6 +230,24 @@ class WorkerError(MPLaunchError):
         return (_rebuild_worker_error,
                 (type(self), self.failures, self.previous_attempts, self.note,
                  self.__dict__))
+
+
+def _released_line(failures: List[RankFailure]) -> str:
+    """One line for the ranks a World's release or interrupt ended (they raised only
+    because of it), those at the same place together: "mplaunch ended the call in 3
+    other rank(s): ranks 0, 2, 3 released from torch.distributed.all_reduce at
+    train.py:42 in step"."""
+    places: Dict[tuple, List[int]] = {}
+    for f in failures:
+        places.setdefault((f.released, f.location), []).append(f.rank)
+    said = []
+    for (how, where), ranks in list(places.items())[:8]:
+        who = (f"rank {ranks[0]}" if len(ranks) == 1
+               else "ranks " + ", ".join(str(r) for r in sorted(ranks)))
+        said.append(f"{who} {how}" + (f" at {where}" if where else ""))
+    more = " ..." if len(places) > 8 else ""
+    return (f"mplaunch ended the call in {len(failures)} other rank(s): "
+            f"{'; '.join(said)}{more}")
 
 
 def _size(n: int) -> str:

@@ -182,8 +182,8 @@ def test_ranks_magic_in_a_kernel(kernel_config, tmp_path):
     assert "[rank1]: about to divide" in _stream(cells["fail"]), cells["fail"].outputs
     assert "[rank1]: not reached" not in _stream(cells["fail"])
     err = _stream(cells["fail"], "stderr")
-    assert "[rank1]:     y = 1 / (x - 10)" in err.splitlines(), err
-    assert "mplaunch/_" not in err, err  # the relayed traceback starts at the cell too
+    # The cell's error is shown once, by the notebook: no rank relays its traceback.
+    assert "Traceback" not in err and "mplaunch/_" not in err, err
 
     # The next cell runs in the same ranks, with the old names.
     out = _stream(cells["fresh"]).splitlines()

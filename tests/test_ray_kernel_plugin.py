@@ -183,8 +183,9 @@ def test_ddp_across_ray_nodes_from_a_kernel(cluster, kernel_config, tmp_path):
                      r"this; the world was kept", fails, re.M), fails
     assert sorted(_stream(cells["fails"]).splitlines()) == sorted([
         f"[{node_of[r]} rank{r}]: fine {r}" for r in range(3)]), _stream(cells["fails"])
-    assert (f"[{names[1]} rank3]: ValueError: rank 3 on {names[1]} says no"
-            in _stream(cells["fails"], "stderr")), _stream(cells["fails"], "stderr")
+    # shown once, as the cell's error: the rank does not relay its traceback too
+    assert "ValueError" not in _stream(cells["fails"], "stderr"), \
+        _stream(cells["fails"], "stderr")
     # ... and the next cell runs in the same processes, with the model, collectives too
     assert sorted(_stream(cells["after"]).splitlines()) == sorted([
         f"[{node_of[r]} rank{r}]: still {r} {pids[r]} DistributedDataParallel 4"

@@ -24,9 +24,11 @@ def of_rank(r: RankState, attempt: int, **fields) -> RankFailure:
 
 
 def raised(r: RankState, attempt: int, msg: Raised) -> RankFailure:
-    """Rank `r`'s function raised (what it sent)."""
+    """Rank `r`'s function raised (what it sent): by itself, or as the World's release
+    or interrupt made it (``released``)."""
     return of_rank(r, attempt, exitcode=msg.exitcode, exc_type=msg.type_name,
-                   message=msg.message, traceback=msg.traceback, timestamp=msg.timestamp)
+                   message=msg.message, traceback=msg.traceback, timestamp=msg.timestamp,
+                   released=msg.released)
 
 
 def exited(r: RankState, attempt: int, status: int) -> Optional[RankFailure]:

@@ -186,6 +186,8 @@ class RankGroup:
         for r in self.ranks if ranks is None else ranks:
             r.has_result, r.result, r.error = False, None, None
             r.calls += 1
+            if r.err is not None:
+                r.err.begin_call()   # its stderr tail is this call's (_engine.output)
             send_framed(r.reader.sock, CALL_TAG, [payload_fd])
 
     @property

@@ -34,6 +34,7 @@ from .ending import Ending, EndKind
 from .group import RankGroup
 from .ranks import RankState
 from .timeouts import collect_stacks
+from .._wire.messages import LOST_PEER
 
 SETTLE = 0.1          # a rank in Python code answers an interrupt within milliseconds
 RESEND = 0.1
@@ -152,26 +153,25 @@ class CallDriver:
         return max(0.0, min(times) - now)
 
 
-# What a collective raises in a rank when a peer left it (died, or was released): a
-# consequence, reported after the failure that caused it even when it reached us first
-# (a death is only known once the rank is reaped).
-_LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
-
-
 def consequences_last(failures) -> None:
     """Reorder (by their timestamps, which decide the order reported) so that the
-    failures a lost peer caused come after the others."""
-    causes = [f for f in failures if not _lost_peer(f)]
+    failures a lost peer caused, and those of ranks the call's ending released, come
+    after the others: reported after the failure that caused them even when they reached
+    us first (a death is only known once the rank is reaped)."""
+    causes = [f for f in failures if not _consequence(f)]
     if not causes or len(causes) == len(failures):
         return
     latest = max(f.timestamp or 0.0 for f in failures)
     for f in failures:
-        if _lost_peer(f) or f.exc_type == "KeyboardInterrupt":
+        if _consequence(f) or f.exc_type == "KeyboardInterrupt":
             f.timestamp = latest + 1e-3
 
 
-def _lost_peer(f) -> bool:
-    return f.exc_type == "RuntimeError" and any(s in (f.message or "") for s in _LOST_PEER)
+def _consequence(f) -> bool:
+    """What a collective raises in a rank when a peer left it (died, or was released),
+    or what the release or interrupt raised in a rank (it says so: _rank.heal)."""
+    return bool(f.released) or (f.exc_type == "RuntimeError"
+                                and any(s in (f.message or "") for s in LOST_PEER))
 
 
 def _answered(r: RankState) -> bool:

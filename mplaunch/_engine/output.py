@@ -301,7 +301,15 @@ class StreamRelay(OpenLine):
             self.logfile.close()
             self.logfile = None
 
+    def begin_call(self) -> None:
+        """A World's call is sent: the tail kept from now on is that call's, so that its
+        error quotes what the failing call wrote, never an earlier call's (a previous
+        cell's traceback, or its progress bars, above a rank that died silently)."""
+        with _LOCK:
+            self._tail = bytearray()
+
     def tail_text(self) -> str:
+        """The end of what the stream carried (of the current call's, in a World)."""
         return bytes(self._tail[-_TAIL_BYTES:]).decode("utf-8", "replace")
 
 

@@ -32,9 +32,10 @@ def summarize_tail(text: str, max_lines: int = 40) -> str:
     and lose both what the rank wrote just before it failed and where it failed. So the
     summary has, in this order: the lines written before the dump, the dump's headline,
     the crashing thread's stack in full, the other threads one frame each, and the
-    start of the module list.
+    start of the module list. A progress bar's frames (redrawn after ``\r``) count as
+    its last one, as a terminal shows it.
     """
-    lines = [_clip(line) for line in text.splitlines()]
+    lines = [_clip(line) for line in collapse_redraws(text).splitlines()]
     while lines and not lines[-1].strip():
         lines.pop()
     if not lines:
@@ -47,6 +48,24 @@ def summarize_tail(text: str, max_lines: int = 40) -> str:
     if start is None:
         return "\n".join(lines[-max_lines:])
     return "\n".join(_summarize_dump(lines[:start], lines[start:], max_lines))
+
+
+def collapse_redraws(text: str) -> str:
+    """`text` with each line that was redrawn after ``\r`` (a tqdm bar: hundreds of
+    frames, each taken for a line of its own) cut to its last frame, the last text
+    between ``\r``'s, as the relay shows it; a line whose last frame is blank (a bar
+    cleared with ``leave=False``) is left out."""
+    if "\r" not in text:
+        return text
+    out = []
+    for line in text.split("\n"):
+        if "\r" in line:
+            frames = [frame for frame in line.split("\r") if frame]
+            if not frames or not frames[-1].strip():
+                continue
+            line = frames[-1]
+        out.append(line)
+    return "\n".join(out)
 
 
 def _summarize_dump(before: list, dump: list, max_lines: int) -> list:

@@ -11,18 +11,22 @@ RELEASE_SIGNAL, taken by a thread of ours (sigwait) since the main thread is the
 blocked. Which connections are the group's the rank noted itself as the group was made
 (_rank.endpoints): the sockets it gained during init, and any accepted later by the
 group's listeners. That works wherever the peers run, on this node or another one; the
-thread reads only /proc/self and asks its own sockets, never the store.
+thread reads only /proc/self and asks its own sockets, never the store. What the release
+(or the World's interrupt) raises in a rank is said in one line, as its doing, not shown
+as the rank's own error (ended_by_world).
 """
 from __future__ import annotations
 
 import gc
+import os
 import signal
 import sys
 import threading
 from typing import List, Optional
 
-from .._wire.messages import RELEASE_SIGNAL
-from . import endpoints, rendezvous, torchapi
+from .._wire import stacks
+from .._wire.messages import LOST_PEER, RELEASE_SIGNAL
+from . import endpoints, rendezvous, serve, torchapi
 
 
 # -- release ---------------------------------------------------------------------------
@@ -42,16 +46,19 @@ def arm_release() -> None:
     sig = RELEASE_SIGNAL
     if sig is None or not hasattr(signal, "sigwait"):
         return
+    global _armed
     endpoints.enable()   # only a rank that can be released notes its groups' sockets
     block_release()
     t = threading.Thread(target=_release_loop, name="mplaunch-release", daemon=True)
     t.start()
+    _armed = True
 
 
 def _release_loop() -> None:
     assert RELEASE_SIGNAL is not None
     while True:
         signal.sigwait({RELEASE_SIGNAL})
+        _released.set()   # first: the collective this releases raises in a moment
         for release in (_abort_nccl, release_connections):
             try:
                 release()
@@ -83,6 +90,92 @@ def release_connections() -> int:
     closes them when the group is destroyed), so no fd number is reused under gloo's
     feet."""
     return endpoints.release()
+
+
+# -- what a release or an interrupt ended --------------------------------------------------
+#
+# A rank the World released, or interrupted, raises too: gloo's "Connection closed by
+# peer", or KeyboardInterrupt. That is mplaunch's doing, not an error of the rank's own:
+# the rank says so in one line (where it was) instead of a traceback, and its answer
+# says so (Raised.released), so that the error names the rank that failed and where
+# the others were, not 7 tracebacks and "raised KeyboardInterrupt" 7 times.
+
+_armed = False                   # the release thread runs (arm_release)
+_released = threading.Event()    # it ran during the current call
+# A peer's release (or death) closes its connections, and so ends our collective, a
+# moment before our own release arrives (the World sends it to every rank at once, or
+# as soon as it learns that a rank died): how long a rank that lost a peer waits for it.
+_RELEASE_WAIT = 1.0
+
+
+def call_begins() -> int:
+    """A call begins: what ended_by_world compares with at its end."""
+    _released.clear()
+    return serve.interrupts()
+
+
+def ended_by_world(exc: BaseException, interrupts: int) -> Optional[str]:
+    """How the World's own ending of the call raised `exc` in this rank, if it did
+    (`interrupts`: what call_begins returned): "released from
+    torch.distributed.all_reduce" when its release ended a collective (gloo's lost
+    connection, or the interrupt that came with it), "interrupted" when its interrupt
+    did ("interrupted in torch.distributed.barrier" inside a collective); None for an
+    error of the rank's own."""
+    chain = _chain(exc)
+    lost = next((e for e in chain if _lost_peer(e)), None)
+    if lost is not None and _armed and not _released.is_set():
+        _released.wait(_RELEASE_WAIT)
+    interrupted = isinstance(exc, KeyboardInterrupt) and serve.interrupts() != interrupts
+    if lost is not None and _released.is_set() and (lost is exc or interrupted):
+        how, where = "released", "from"
+    elif interrupted:
+        how, where = "interrupted", "in"
+    else:
+        return None
+    name = _collective_of(chain)
+    return f"{how} {where} torch.distributed.{name}" if name else how
+
+
+def released_line(rank: int, how: str, tb_text: Optional[str]) -> str:
+    """The line a released rank writes instead of its traceback: what ended its call
+    and where ("[mplaunch] rank 3: released from torch.distributed.all_reduce at
+    train.py:42 in step")."""
+    site = stacks.failure_site(tb_text)
+    where = f" at {stacks.short_path(site[0])}:{site[1]} in {site[2]}" if site else ""
+    return f"[mplaunch] rank {rank}: {how}{where}\n"
+
+
+def _chain(exc: BaseException) -> List[BaseException]:
+    """`exc` and the exceptions it was raised from or while handling, outermost first."""
+    out: List[BaseException] = []
+    pending: List[Optional[BaseException]] = [exc]
+    while pending:
+        e = pending.pop(0)
+        if e is None or any(e is seen for seen in out):
+            continue
+        out.append(e)
+        pending += [e.__cause__, e.__context__]
+    return out
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in LOST_PEER)
+
+
+_C10D = os.sep + os.path.join("torch", "distributed", "distributed_c10d.py")
+
+
+def _collective_of(chain: List[BaseException]) -> Optional[str]:
+    """The torch.distributed function the user's code called that these exceptions'
+    frames are in ("all_reduce"; broadcast_object_list, not the broadcast inside it)."""
+    for exc in chain:
+        tb = exc.__traceback__
+        while tb is not None:
+            code = tb.tb_frame.f_code
+            if code.co_filename.endswith(_C10D) and not code.co_name.startswith("_"):
+                return code.co_name
+            tb = tb.tb_next
+    return None
 
 
 # -- rebuild ---------------------------------------------------------------------------

@@ -6,7 +6,8 @@ arguments, as for a launch; the answer is the usual result or exception message.
 
 SIGINT (sent by a healing World to ranks that have not answered) raises KeyboardInterrupt
 in the call's code, as Ctrl-C does in a notebook, and never in our own plumbing: a rank
-interrupted while it reads a call or sends an answer would lose it, or die.
+interrupted while it reads a call or sends an answer would lose it, or die. A call that
+it ended is answered with one line on stderr, not a traceback (_rank.heal).
 """
 from __future__ import annotations
 
@@ -61,9 +62,30 @@ _wire.channel, linux, messages): an interrupt that lands in one of its frames is
 Each module says so itself, so moving or renaming one keeps the guard true."""
 
 
+_interrupts = 0      # KeyboardInterrupts _on_sigint raised, in the rank's life
+_answering = False   # the rank is sending its answer (hold_interrupts)
+
+
+def interrupts() -> int:
+    """How many times the World's interrupt has raised KeyboardInterrupt in this rank:
+    compared before and after a call, it says whether the call's was one."""
+    return _interrupts
+
+
+def hold_interrupts(held: bool) -> None:
+    """While held, the World's interrupt is dropped wherever it lands: the rank is
+    answering (its call's exception is being formatted and sent, in the standard
+    library's frames too, which are not ours), and the World stops sending it once the
+    answer is in."""
+    global _answering
+    _answering = held
+
+
 def _on_sigint(signo, frame) -> None:
     # In our frames the interrupt is dropped; the World sends it again until the rank
     # answers, so one that lands in user code a moment later still interrupts it.
-    if frame is not None and frame.f_globals.get(PLUMBING):
+    global _interrupts
+    if _answering or (frame is not None and frame.f_globals.get(PLUMBING)):
         return
+    _interrupts += 1
     raise KeyboardInterrupt

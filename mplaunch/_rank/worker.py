@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-from . import collectives, heal, procgroup, rendezvous, serve as serving, streams
+from . import cells, collectives, heal, procgroup, rendezvous, serve as serving, streams
 # Imported here, not when first used: the server imports this module before it forks
 # any rank (a forked rank finds them loaded), and every rank needs them.
 from .._wire import buffers, linux, mainglobals, mainmod, payload as wire_payload
@@ -193,6 +193,8 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
     The payload stays open: the rank's spawn and forkserver children read the
     definitions of its __main__ from it. Its large buffers are mapped, not read."""
     payload, inputs = buffers.read_payload(payload_fd)
+    # A World's rank: what tells its exception from the World's ending of the call.
+    began = heal.call_begins() if spec.serve else None
     exitcode = 0
     try:
         if first:
@@ -224,7 +226,8 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt and pytest outcomes too
         if not spec.serve:
             procgroup.shield()   # its group ends after the report, before the SIGTERM
-        _send_exception(sock, exc, EXIT_ERROR, hint=_spawn_style_hint(exc))
+        _send_exception(sock, exc, EXIT_ERROR, hint=_spawn_style_hint(exc),
+                        rank=spec.rank, began=began)
         return EXIT_ERROR
     try:
         data, tensor_fds = wire_payload.dumps_result(value)
@@ -367,25 +370,37 @@ def _from_users_code(exc: BaseException) -> None:
 
 
 def _send_exception(sock, exc: BaseException, exitcode: int, show: bool = True,
-                    hint=None) -> None:
-    _from_users_code(exc)
-    if hint:
-        # A note on the cause (Python shows it under the exception from 3.11 on), and a
-        # line of the message, so str(WorkerError) says it under every Python.
-        exc.__notes__ = [*getattr(exc, "__notes__", ()), hint]
-    blob, type_name, message, tb_text = pack_exception(exc)
-    if hint:
-        message = f"{message}\n{hint}"
-    if show:
-        # The copy on stderr goes first: once the exception is sent, the parent may tear
-        # this rank down before it is written. But stderr may be unusable (None in
-        # daemonised code, fd 2 closed): nothing that happens here may stop the sending.
-        try:
-            sys.stderr.write(tb_text)
-            sys.stderr.flush()
-        except BaseException:  # noqa: BLE001 - the exception itself is sent below
-            pass
-    _send(sock, Raised(blob, type_name, message, tb_text, exitcode, time.time()))
+                    hint=None, rank=None, began=None) -> None:
+    """Send `exc` as the call's answer, its traceback written to stderr first (`show`).
+    `began`: a World's rank's call_begins() of this call (_rank.heal): an exception that
+    the World's release or interrupt raised is one line there, not a traceback."""
+    serving.hold_interrupts(True)   # the World's interrupt must not cut the answer off
+    try:
+        _from_users_code(exc)
+        released = heal.ended_by_world(exc, began) if began is not None else None
+        if show and released is None and cells.raised_by_cell(exc):
+            show = False   # a %%ranks cell's error: the notebook shows it, once
+        if hint:
+            # A note on the cause (Python shows it under the exception from 3.11 on), and
+            # a line of the message, so str(WorkerError) says it under every Python.
+            exc.__notes__ = [*getattr(exc, "__notes__", ()), hint]
+        blob, type_name, message, tb_text = pack_exception(exc)
+        if hint:
+            message = f"{message}\n{hint}"
+        if show:
+            # The copy on stderr goes first: once the exception is sent, the parent may
+            # tear this rank down before it is written. But stderr may be unusable (None
+            # in daemonised code, fd 2 closed): nothing here may stop the sending.
+            try:
+                sys.stderr.write(tb_text if released is None
+                                 else heal.released_line(rank, released, tb_text))
+                sys.stderr.flush()
+            except BaseException:  # noqa: BLE001 - the exception itself is sent below
+                pass
+        _send(sock, Raised(blob, type_name, message, tb_text, exitcode, time.time(),
+                           released))
+    finally:
+        serving.hold_interrupts(False)
 
 
 def _flush_streams() -> None:

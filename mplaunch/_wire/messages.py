@@ -38,6 +38,10 @@ STACK_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else signal.SI
 # which releases a collective left half-done (taken by a thread: _rank.heal).
 RELEASE_SIGNAL = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else None
 
+# What a collective raises in a rank when a peer left it (died, or was released): a
+# consequence of another rank's failure, never a cause (_rank.heal, _engine.heal).
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
+
 # Exit codes of a rank that the launching process reads as a reason.
 EXIT_ERROR = 1          # the function raised (its Raised message says what)
 EXIT_PARENT_GONE = 70   # the server died before the rank could arm its death signal
@@ -160,11 +164,13 @@ class Returned(NamedTuple):
 
 
 class KeptGlobals(NamedTuple):
-    """Sent before a call's answer, not in its place: the names of the rank's
-    `__main__` that its own code bound and that it kept over the values the call
-    brought from the caller (_wire.mainglobals), each said once in the rank's life."""
+    """Sent before a call's answer, not in its place: what the rank's `__main__` did
+    with values the call brought from the caller that the caller should be told of
+    (_wire.mainglobals): each a (kind, name, token, why) tuple, "kept" for a name its
+    own code bound and kept over the caller's value, or a caller's object that took
+    the place of one the ranks had changed; said once per caller object and reason."""
     tag = "kept"
-    names: Tuple[str, ...]
+    names: Tuple[tuple, ...]
 
 
 class Raised(NamedTuple):
@@ -177,3 +183,7 @@ class Raised(NamedTuple):
     traceback: Optional[str]
     exitcode: int
     timestamp: float    # time.time() when it was raised
+    # Set when the exception is what mplaunch's own ending of the call raised in this
+    # rank (a World's release of a collective, or its interrupt), not an error of the
+    # rank's own: how, e.g. "released from torch.distributed.all_reduce" (_rank.heal).
+    released: Optional[str] = None
