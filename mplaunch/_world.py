@@ -107,7 +107,7 @@ class World:
         # same fds twice with the selector). A second thread's run() waits its turn.
         self._lock = threading.RLock()
         self._modules = ModuleWatch()
-        self._told: Set[str] = set()   # the names a kept-value warning was given for
+        self._told: Set[tuple] = set()   # what a kept-value warning was given for
         _open.add(self)
 
     # -- public ----------------------------------------------------------------------
@@ -179,9 +179,10 @@ class World:
         ``heal=False``, or for SIGTERM, SIGHUP, SIGQUIT or a second SIGINT).
 
         ``func``'s globals from ``__main__`` take this process's values, but not over a
-        name the ranks' own code assigned (a warning names it, once; pass the value as
-        an argument instead); modules this process reloaded since the last run are
-        reloaded in the ranks first. See :ref:`world-globals`."""
+        name the ranks' own code assigned (a warning names it, once per object here;
+        pass the value as an argument instead), nor over a torch object they changed
+        in place while this process's stayed the same; modules this process reloaded
+        since the last run are reloaded in the ranks first. See :ref:`world-globals`."""
         check_call(func, args, kwargs)
         # None: the world's own timeout; inf: none, for this call (the loop's deadline
         # is then never reached, and its waits are sliced).
@@ -219,20 +220,26 @@ class World:
                           stacklevel=_outside_mplaunch())
 
     def _say_kept(self) -> None:
-        """Warn, once per name, where ranks kept their own value of a `__main__` name
-        over this process's (_wire.mainglobals)."""
-        for name, ranks in sorted(self._engine.take_kept_globals().items()):
-            if name in self._told:
+        """Warn where ranks kept their own value of a `__main__` name over this
+        process's, and where this process's object replaced one the ranks had changed
+        in place (_wire.mainglobals): once per name, object of this process's and
+        reason."""
+        for said, ranks in sorted(self._engine.take_kept_globals().items(), key=repr):
+            if said in self._told:
                 continue
-            self._told.add(name)
+            self._told.add(said)
+            kind, name, _, why = said
             who = ("the ranks" if len(ranks) >= self.size else
                    f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, sorted(ranks)))}")
-            warnings.warn(
-                f"mplaunch.World: {who} kept their own {name!r} (their code assigned it), "
-                f"not this process's {name!r}, which the function also names: a name "
-                f"the ranks assign is theirs from then on. "
-                f"{self._send_hint.format(name=name)}", UserWarning,
-                stacklevel=_outside_mplaunch())
+            if kind == "kept":
+                said = (f"{who} kept their own {name!r} (their code assigned it), not "
+                        f"this process's {name!r}, which the function also names: a "
+                        f"name the ranks assign is theirs from then on. "
+                        f"{self._send_hint.format(name=name)}")
+            else:
+                said = _replaced(who, name, why)
+            warnings.warn(f"mplaunch.World: {said}", UserWarning,
+                          stacklevel=_outside_mplaunch())
 
     def restart(self, nnodes: Optional[int] = None,
                 nprocs: Optional[int] = None) -> "World":
@@ -288,6 +295,25 @@ class World:
 
 
 NODES_PREFIX = "[{host} rank{rank}]: "
+
+
+def _replaced(who: str, name: str, why: str) -> str:
+    """What a warning says where this process's object `name` replaced the copy that
+    `who` had changed in place, and `why` (_wire.mainglobals.take_kept)."""
+    kind, _, other = why.partition(":")
+    reason = {"new": f"this process's {name!r} is not the object it sent before",
+              "changed": f"this process changed its {name!r} since it sent it",
+              "shares": f"it shares tensors with this process's {other!r}, which the "
+                        f"ranks took anew, and the two must stay linked",
+              "held": f"something else this run sent holds this process's {name!r}, "
+                      f"an argument or another global"}.get(kind, why)
+    return (f"{who} had changed their {name!r} in place since they got it (trained "
+            f"it, say), and took this process's {name!r} instead: {reason}. What they "
+            f"changed is gone. The ranks keep a module, optimizer, LR scheduler or "
+            f"tensor of this process's that they change in place only while this "
+            f"process's stays the same object, unchanged here. To go on from theirs, "
+            f"build it in the ranks (global {name}; {name} = ...) or fetch it first "
+            f"(return {name}.state_dict() from a run)")
 
 
 def _unfollowed(name: str, whys: dict, size: int) -> str:

@@ -230,15 +230,15 @@ class Serving:
             error.healed = kept
         raise error
 
-    def take_kept_globals(self) -> Dict[str, List[int]]:
-        """{name: ranks} of the `__main__` names that ranks kept over the calling
-        process's values in the calls since the last look (_wire.mainglobals), also
-        after a call that failed or tore the ranks down."""
+    def take_kept_globals(self) -> Dict[tuple, List[int]]:
+        """{what was said (a KeptGlobals entry): ranks} of what the ranks did with the
+        calling process's `__main__` values in the calls since the last look
+        (_wire.mainglobals), also after a call that failed or tore the ranks down."""
         group, self._called = self._called, None
-        kept: Dict[str, List[int]] = {}
+        kept: Dict[tuple, List[int]] = {}
         for r in group.ranks if group is not None else ():
-            for name in r.kept_globals:
-                kept.setdefault(name, []).append(r.spec.rank)
+            for said in r.kept_globals:
+                kept.setdefault(said, []).append(r.spec.rank)
             r.kept_globals = ()
         return kept
 

@@ -49,7 +49,22 @@ module's code) is seen only by identity: where it binds the very object the call
 so.
 Identity and assignment, not equality: an object the rank changes in place
 (``history.append(x)``) is still the caller's, and the caller's next copy replaces it,
-as before.
+as before; but not a torch module, optimizer, LR scheduler or tensor that the caller
+still holds unchanged (a model and its optimizer built in a notebook's cell and
+stepped by a run, ``opt.step()``: each run started training again, silently). For
+those the caller sends, with each name, a fingerprint (`_state`): the object's identity
+here (a serial number, `_token`: ids are reused), its tensors' ids, version counters and
+storage, its modules' train/eval mode, its hyperparameters. Where the caller's object
+is the one whose copy the rank holds, unchanged since, the rank keeps its copy, changed
+in place or not, and the caller's new copy is dropped; where the caller rebound the
+name or changed the object, the rank takes it, and where the rank had changed its copy
+the caller is told that this was lost (``replaced``), once per object of the caller's.
+Objects that share tensors (an optimizer holds its model's parameters; a scheduler its
+optimizer) are kept or taken together, or the rank's optimizer would step a model that
+is no longer its `__main__`'s; so is a kept object that anything else the call brought
+holds (an argument, a dict, a trainer of the user's): those hold the caller's copy.
+A name the rank's own code bound is said once per object of the caller's, not once
+per name: another model here under that name is said again.
 
 Rejected: ipyparallel's ``@interactive`` way, where a function resolves every global in
 the engine's namespace and nothing travels unless pushed: mplaunch's functions run with
@@ -63,9 +78,12 @@ namespace's writes: a module's namespace is a plain dict, whose ``STORE_GLOBAL``
 from __future__ import annotations
 
 import functools
+import gc
+import itertools
 import opcode
 import sys
 import types
+import weakref
 from typing import Dict, Iterable, List, Optional, Set
 
 __all__ = ["track", "function_reduce", "function_setstate", "install", "push",
@@ -80,16 +98,28 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, tuple, list, dict, 
 
 
 class _Ledger:
-    __slots__ = ("namespace", "given", "told", "kept", "brought")
+    __slots__ = ("namespace", "given", "told", "kept", "brought", "prints", "own",
+                 "since", "loads", "spared")
 
     def __init__(self, namespace: dict):
         self.namespace = namespace
         self.given: Dict[str, object] = {}   # name -> the caller's object put there last
-        self.told: set = set()               # names already reported
-        self.kept: List[str] = []            # names to report after this load
+        self.told: set = set()               # (name, the caller's token) reported
+        # What to report after this load: (kind, name, the caller's token, why).
+        self.kept: List[tuple] = []
         # The code this call brought: the caller's `__main__` functions its payload
         # held, the code of the %%ranks cells it runs. Kept until `settle` reads it.
         self.brought: list = []
+        # The torch objects among `given` (see the module's docstring): name -> the
+        # (token, state) the caller sent with it, its own state's digest when it came,
+        # and the load it came with (`loads` counts them).
+        self.prints: Dict[str, tuple] = {}
+        self.own: Dict[str, int] = {}
+        self.since: Dict[str, int] = {}
+        self.loads = 0
+        # name -> the caller's copy this load brought and did not install, the rank's
+        # staying: dropped at the load's end (`take_kept`).
+        self.spared: Dict[str, object] = {}
 
 
 _ledger: Optional[_Ledger] = None
@@ -112,15 +142,27 @@ def function_reduce(rv, defined: Iterable[str], missing: Iterable[str] = ()):
     if type(rv) is not tuple or len(rv) != 6 or rv[5] is None:
         return rv
     make, args, state, items, pairs, setter = rv
-    return (make, args, (setter, state, tuple(defined), tuple(missing)), items, pairs,
-            function_setstate)
+    defined = tuple(defined)
+    return (make, args, (setter, state, defined, tuple(missing), _prints(state, defined)),
+            items, pairs, function_setstate)
+
+
+def _prints(state, defined: tuple) -> dict:
+    """{name: (token, state)} of the globals in cloudpickle's `state` of a function: who
+    each object is here (`_token`) and, for a torch object, what it holds (`_state`)."""
+    try:
+        named = state[1]["__globals__"]
+    except (TypeError, LookupError):
+        return {}
+    return {k: (_token(v), _state(v)) for k, v in named.items()
+            if k not in defined and not _dunder(k)}
 
 
 def function_setstate(func, packed) -> None:
     """The rank's side of `function_reduce`: cloudpickle's own state setter, given no
     globals, then the globals through the ledger; the function is noted as code this
     call brought (`settle` reads what it assigns, wherever the payload held it)."""
-    setter, state, defined, missing = packed
+    setter, state, defined, missing, prints = packed
     inner, slots = state
     values = slots.get("__globals__") or {}
     slots["__globals__"] = {}
@@ -128,15 +170,16 @@ def function_setstate(func, packed) -> None:
     ledger = _ledger
     if ledger is not None and func.__globals__ is ledger.namespace:
         ledger.brought.append(func)
-    install(func.__globals__, values, defined, missing)
+    install(func.__globals__, values, defined, missing, prints)
 
 
 def install(namespace: dict, values: dict, defined: Iterable[str] = (),
-            missing: Iterable[str] = ()) -> None:
+            missing: Iterable[str] = (), prints: Optional[dict] = None) -> None:
     """Put the caller's `values` into `namespace`, but not over a name the rank's own
-    code bound (see the module's docstring); `defined` names always go in. The
-    `missing` names (the caller has none) leave `namespace` where they still hold the
-    caller's object: the rank's own stay."""
+    code bound (see the module's docstring), nor over a torch object the rank holds
+    a copy of that the caller did not change since (`prints`: `_prints`); `defined`
+    names always go in. The `missing` names (the caller has none) leave `namespace`
+    where they still hold the caller's object: the rank's own stay."""
     ledger = _ledger
     if ledger is None or namespace is not ledger.namespace:
         namespace.update(values)   # a namespace nobody ran code in yet: all of it
@@ -146,16 +189,70 @@ def install(namespace: dict, values: dict, defined: Iterable[str] = (),
         obj = given.get(name, _MISSING)
         if obj is not _MISSING and namespace.get(name, _MISSING) is obj:
             del namespace[name], given[name]
+            _forget(ledger, name)
     for name, value in values.items():
         current = namespace.get(name, _MISSING)
+        token, state = prints.get(name, (None, None)) if prints else (None, None)
         if (current is not _MISSING and current is not given.get(name, _MISSING)
                 and name not in defined and not _dunder(name)):
-            if name not in ledger.told and _differ(current, value):
-                ledger.told.add(name)
-                ledger.kept.append(name)
+            if (name, token) not in ledger.told and _differ(current, value):
+                ledger.told.add((name, token))
+                ledger.kept.append(("kept", name, token, None))
             continue
-        namespace[name] = value
-        given[name] = value
+        if current is value:
+            continue   # a second function of this load that names it
+        why = None
+        if (state is not None and current is not _MISSING and name not in defined
+                and ledger.prints.get(name) == (token, state)):
+            # The caller's object is the one the rank's copy came from, unchanged:
+            # the copy stays, with what the rank changed in it, unless an object it
+            # shares tensors with came later (the two would no longer be linked).
+            other = _taken_after(ledger, name)
+            if other is None:
+                ledger.spared[name] = value
+                continue
+            why = "shares:" + other
+        _take(ledger, name, value, token, state, why)
+
+
+def _take(ledger: _Ledger, name: str, value, token, state, why=None) -> None:
+    """The caller's `value` goes in under `name`; where a copy the rank had changed in
+    place goes, that is reported. Spared copies that share tensors with it follow."""
+    namespace, prints = ledger.namespace, ledger.prints
+    old, own, before = (namespace.get(name, _MISSING), ledger.own.get(name),
+                        prints.get(name))
+    if own is not None and old is ledger.given.get(name, _MISSING) and \
+            _digest(old) != own:
+        if why is None:
+            why = "changed" if before is not None and before[0] == token else "new"
+        ledger.kept.append(("replaced", name, token, why))
+    namespace[name] = ledger.given[name] = value
+    _forget(ledger, name)
+    if state is None:
+        return
+    prints[name], ledger.own[name] = (token, state), _digest(value)
+    ledger.since[name] = ledger.loads
+    ids = set(state[1])
+    for other in [n for n in ledger.spared if not ids.isdisjoint(prints[n][1][1])]:
+        if other in ledger.spared:   # not taken meanwhile, by the recursion
+            _take(ledger, other, ledger.spared.pop(other), *prints[other],
+                  why="shares:" + name)
+
+
+def _taken_after(ledger: _Ledger, name: str) -> Optional[str]:
+    """A name whose torch object shares tensors with `name`'s and came to the rank
+    with a later load (or earlier in this one), if any."""
+    ids, since = set(ledger.prints[name][1][1]), ledger.since[name]
+    for other, (_, state) in ledger.prints.items():
+        if ledger.since[other] > since and not ids.isdisjoint(state[1]):
+            return other
+    return None
+
+
+def _forget(ledger: _Ledger, name: str) -> None:
+    ledger.prints.pop(name, None)
+    ledger.own.pop(name, None)
+    ledger.since.pop(name, None)
 
 
 def push(namespace: dict, values: dict) -> None:
@@ -165,6 +262,13 @@ def push(namespace: dict, values: dict) -> None:
     ledger = _ledger
     if ledger is not None and namespace is ledger.namespace:
         ledger.given.update(values)
+        for name, value in values.items():
+            # Not from a run: the next run's object replaces it, said if the rank
+            # changed this one in place meanwhile.
+            _forget(ledger, name)
+            digest = _digest(value)
+            if digest is not None:
+                ledger.own[name] = digest
 
 
 def cell_runs(code) -> None:
@@ -183,8 +287,10 @@ def settle(func=None) -> None:
         return
     namespace, given = ledger.namespace, ledger.given
     runs, ledger.brought = [f for f in (func, *ledger.brought) if f is not None], []
+    ledger.spared.clear()   # a load that did not end: nothing of it stays
     for name in [n for n, obj in given.items() if namespace.get(n, _MISSING) is not obj]:
         del given[name]
+        _forget(ledger, name)
     if given and runs:
         try:
             assigned = _assigned_by(runs, namespace, set(given))
@@ -192,21 +298,168 @@ def settle(func=None) -> None:
             assigned = set()
         for name in assigned:
             del given[name]
+            _forget(ledger, name)
 
 
-def take_kept() -> List[str]:
-    """The names whose caller's values the last load did not install over the rank's
-    own, each reported once in the rank's life."""
+def take_kept() -> List[tuple]:
+    """At the end of a load (before the call runs): what the caller is told of it,
+    (kind, name, the caller's token, why): ``kept``, a name the rank's own code bound
+    kept over the caller's value (once per name and caller's object in the rank's
+    life); ``replaced``, a torch object the rank had changed in place, replaced by the
+    caller's (why: ``new``, ``changed``, ``shares:NAME``, ``held``). The caller's
+    copies that the rank did not install are dropped, but those that something else
+    the load brought holds (an argument, a dict): the rank takes those instead."""
     ledger = _ledger
-    if ledger is None or not ledger.kept:
+    if ledger is None:
         return []
+    if ledger.spared:
+        try:
+            held = _held_elsewhere(ledger)
+        except Exception:  # noqa: BLE001 - cannot tell: the caller's copies, as before
+            held = list(ledger.spared)
+        for name in held:
+            if name in ledger.spared:
+                _take(ledger, name, ledger.spared.pop(name), *ledger.prints[name],
+                      why="held")
+        ledger.spared.clear()
+    ledger.loads += 1
     kept, ledger.kept = ledger.kept, []
     return kept
+
+
+def _held_elsewhere(ledger: _Ledger) -> List[str]:
+    """The names of `spared` whose copy something of the load holds besides the spared
+    copies themselves (each other, what they hold): another global (a trainer, a dict),
+    an argument. Told by reference counts: each copy's, less the references that the
+    spared copies' own objects hold to it (their walk stops at classes, modules and
+    functions, which lead everywhere), against a probe's, which only this function
+    holds as it holds the copies. No search of the payload or of the heap, and only the
+    top of each copy: a model's thousand modules are not walked."""
+    spared = ledger.spared
+    spared[""] = object()   # the probe ("": no global's name), held only here
+    try:
+        pairs = list(spared.items())
+        inner = {id(copy): 0 for _, copy in pairs}
+        seen = {id(spared), id(pairs)}
+        todo = [(copy, 0) for _, copy in pairs]
+        while todo:
+            obj, depth = todo.pop()
+            if id(obj) in seen or isinstance(obj, _OPAQUE):
+                continue
+            seen.add(id(obj))
+            for ref in gc.get_referents(obj):
+                if id(ref) in inner:
+                    inner[id(ref)] += 1
+                if depth < _DEPTH:
+                    todo.append((ref, depth + 1))
+        del todo, obj
+        counts = {name: sys.getrefcount(copy) - inner[id(copy)] for name, copy in pairs}
+    finally:
+        del spared[""]
+    base = counts.pop("")
+    return [name for name, count in counts.items() if count > base]
+
+
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+           types.CodeType)
+# How deep a copy's references to the others are looked for: its attributes' dict, the
+# attributes, theirs (a scheduler's optimizer, an optimizer's patched ``step``). One
+# deeper is taken for a holder of its own: the copies are then taken, as before.
+_DEPTH = 2
 
 
 def _dunder(name: str) -> bool:
     # __file__, __builtins__ ...: the module's own attributes, not the user's state
     return name.startswith("__") and name.endswith("__")
+
+
+# -- torch objects: who the caller's object is, and what it holds -------------------
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_serials: Dict[int, tuple] = {}    # id -> (a weak reference to the object, its serial)
+_counter = itertools.count(1)
+
+
+def _token(value):
+    """Who `value` is in the caller, for as long as it lives: a serial number (an id
+    is reused by the next object), or for a scalar its hash (the same value is the
+    same), or where no weak reference can be made (a list), its id."""
+    if type(value) in _SCALARS:
+        return ("=", hash(value))
+    key = id(value)
+    entry = _serials.get(key)
+    if entry is not None and entry[0]() is value:
+        return entry[1]
+    try:
+        ref = weakref.ref(value, functools.partial(_unserial, key))
+    except TypeError:
+        return ("id", key)
+    serial = next(_counter)
+    _serials[key] = (ref, serial)
+    return serial
+
+
+def _unserial(key: int, ref) -> None:
+    entry = _serials.get(key)
+    if entry is not None and entry[0] is ref:
+        del _serials[key]
+
+
+def _state(value):
+    """(a digest of what can change in place, the ids of its tensors) of a torch
+    module, optimizer, LR scheduler or tensor: the tensors' ids, version counters
+    (every in-place change bumps them), storage and requires_grad; a module's
+    train/eval modes; an optimizer's hyperparameters and state; a scheduler's
+    attributes. None for any other object, or one that cannot be read so."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(value) in _SCALARS:
+        return None
+    try:
+        if isinstance(value, torch.Tensor):
+            tensors, extra = [value], ()
+        elif isinstance(value, torch.nn.Module):
+            tensors = [*value.parameters(), *value.buffers()]
+            extra = tuple(m.training for m in value.modules())
+        elif isinstance(value, torch.optim.Optimizer):
+            tensors = [p for g in value.param_groups for p in g["params"]]
+            extra = (tuple(_plain(v) for g in value.param_groups
+                           for k, v in sorted(g.items()) if k != "params"),
+                     tuple(_plain(v) for s in value.state.values() for v in s.values()))
+        elif isinstance(value, _schedulers(torch)):
+            tensors = [p for g in value.optimizer.param_groups for p in g["params"]]
+            extra = tuple(_plain(v) for k, v in sorted(vars(value).items())
+                          if k != "optimizer")
+        else:
+            return None
+        seen = tuple((id(t), t._version, t.data_ptr(), t.requires_grad) for t in tensors)
+        return hash((seen, extra)), tuple(id(t) for t in tensors)
+    except Exception:  # noqa: BLE001 - an inference tensor, a sparse one: untracked
+        return None
+
+
+def _digest(value) -> Optional[int]:
+    state = _state(value)
+    return None if state is None else state[0]
+
+
+def _schedulers(torch) -> tuple:
+    lr = torch.optim.lr_scheduler
+    return tuple(c for c in (getattr(lr, "LRScheduler", None),
+                             getattr(lr, "_LRScheduler", None),
+                             getattr(lr, "ReduceLROnPlateau", None)) if c is not None)
+
+
+def _plain(value):
+    """A hashable stand-in for `value` that changes when it does, as far as a look
+    at it can tell: scalars as they are, a tensor's id and version, others' ids."""
+    if type(value) in _SCALARS:
+        return value
+    if type(value) in (list, tuple):
+        return tuple(_plain(v) for v in value)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return id(value), value._version
+    return "id", id(value)
 
 
 def _differ(current, value) -> bool:
