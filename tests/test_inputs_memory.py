@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from mplaunch._wire import buffers
+from mplaunch._wire import buffers, lending
 
 pytestmark = pytest.mark.no_torch
 MiB = 1 << 20
@@ -31,22 +31,22 @@ def test_a_parent_cgroups_limit_counts_and_dropable_cache_does_not(tmp_path, mon
     leaf = os.path.join(parent, "container")
     _cgroup(parent, 1000 * MiB, 900 * MiB, inactive=300 * MiB)   # 400 MiB left
     _cgroup(leaf, "max", 900 * MiB)                              # no limit of its own
-    monkeypatch.setattr(buffers, "_CGROUPS", root)
-    monkeypatch.setattr(buffers, "memory_cgroup", lambda pid: leaf)
-    limit, source = buffers.lendable()
+    monkeypatch.setattr(lending, "_CGROUPS", root)
+    monkeypatch.setattr(lending, "memory_cgroup", lambda pid: leaf)
+    limit, source = lending.lendable()
     assert limit == 400 * MiB
     assert parent in source and "page cache" in source
     # The leaf's own limit counts too, where it leaves less.
     _cgroup(leaf, 950 * MiB, 800 * MiB)
-    assert buffers.lendable()[0] == 150 * MiB
+    assert lending.lendable()[0] == 150 * MiB
 
 
 def test_memory_taken_while_a_payload_is_written_stops_it(monkeypatch):
     data = bytearray(160 * MiB)
     payload = buffers.Payload(b"x" * 16, [buffers.Raw(memoryview(data))], [0])
-    monkeypatch.setattr(buffers, "_RECHECK", 32 * MiB)
+    monkeypatch.setattr(lending, "_RECHECK", 32 * MiB)
     # Enough when asked before writing; 32 MiB into it, something else took the rest.
-    monkeypatch.setattr(buffers, "lendable", lambda: (64 * MiB, "a test's figure"))
+    monkeypatch.setattr(lending, "lendable", lambda: (64 * MiB, "a test's figure"))
     fds_before = set(os.listdir("/proc/self/fd"))
     with pytest.raises(buffers.InputsTooLarge) as info:
         payload.memfd()

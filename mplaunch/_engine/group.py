@@ -248,20 +248,9 @@ class RankGroup:
 
     def _on_message(self, r: RankState, data: bytes, fds: list) -> None:
         tag, body = data[:1], data[1:]
-        if r.calls - r.answers > 1:
-            # About a call before the current one (see RankState.calls): its answer
-            # counts it off; nothing of it is the current call's.
-            for fd in fds:
-                os.close(fd)
-            if not _is_note(tag, body):
-                r.answers += 1
+        msg = _answer(r, tag, body, fds)
+        if msg is _NOT_AN_ANSWER:
             return
-        if tag != RESULT_TAG and isinstance(msg := pickle.loads(body), KeptGlobals):
-            r.kept_globals += msg.names   # before its answer (_wire.mainglobals)
-            for fd in fds:
-                os.close(fd)
-            return
-        r.answers += 1
         if tag == RESULT_TAG:
             try:
                 r.result = loads_result(body, fds)
@@ -272,10 +261,7 @@ class RankGroup:
                                  f"return value: {exc}", None, 1, time.time())
                 if not self.stopping:
                     self.fail(raised(r, self.attempt, r.error))
-            return
-        for fd in fds:
-            os.close(fd)
-        if isinstance(msg, Returned):
+        elif isinstance(msg, Returned):
             r.result, r.has_result = msg.value, True
         elif isinstance(msg, Raised):
             r.error = msg
@@ -382,14 +368,32 @@ class RankGroup:
         self._sel.close()
 
 
-def _is_note(tag: bytes, body: bytes) -> bool:
-    """A KeptGlobals note (which comes before a call's answer), not an answer."""
-    if tag == RESULT_TAG:
-        return False
-    try:
-        return isinstance(pickle.loads(body), KeptGlobals)
-    except Exception:  # noqa: BLE001 - an answer that cannot be read is still one
-        return False
+_NOT_AN_ANSWER = object()
+
+
+def _answer(r: RankState, tag: bytes, body: bytes, fds: list):
+    """A message of rank `r` as the current call sees it: its answer (the record, or
+    None for a RESULT_TAG result, whose fds are then the caller's), counted off, or
+    _NOT_AN_ANSWER: a KeptGlobals note (kept on `r`, before its answer), or anything
+    about a call before the current one (see RankState.calls), which only counts that
+    call off."""
+    stale = r.calls - r.answers > 1
+    msg = None
+    if tag != RESULT_TAG or stale:
+        for fd in fds:
+            os.close(fd)
+    if tag != RESULT_TAG:
+        try:
+            msg = pickle.loads(body)
+        except Exception:  # noqa: BLE001 - unreadable: an answer all the same
+            if not stale:
+                raise
+    if isinstance(msg, KeptGlobals):
+        if not stale:
+            r.kept_globals += msg.names   # before its answer (_wire.mainglobals)
+        return _NOT_AN_ANSWER
+    r.answers += 1
+    return _NOT_AN_ANSWER if stale else msg
 
 
 def _relay_to(ranks, last, sinks):

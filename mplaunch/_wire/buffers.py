@@ -44,12 +44,11 @@ import fcntl
 import mmap
 import os
 import pickle
-import sys
 import threading
 from typing import List, Optional, Sequence, Tuple
 
 from . import linux
-from .memory import memory_cgroup
+from .lending import Budget, InputsTooLarge, lendable, size_text
 
 __all__ = ["MIN_BYTES", "Sink", "Payload", "InputsTooLarge", "memfd_of", "read_payload",
            "Buffers", "main_buffers", "lendable", "plan", "seal", "Raw", "Copy"]
@@ -62,34 +61,6 @@ _CHUNK = 32 << 20             # one write of a large buffer; several go in paral
 _SMALL = 1 << 20              # a payload file a rank reads whole
 _SEALS = (getattr(fcntl, "F_SEAL_WRITE", 8) | getattr(fcntl, "F_SEAL_SHRINK", 2)
           | getattr(fcntl, "F_SEAL_GROW", 4) | getattr(fcntl, "F_SEAL_SEAL", 1))
-
-
-class InputsTooLarge(MemoryError):
-    """A call's large buffers (its arguments', and those of the globals its functions of
-    `__main__` read) are more than this machine can hold in shared
-    memory now: nothing was started. ``nbytes`` is what they need, ``limit`` what is
-    there, ``source`` where that figure comes from. Pass less, or have each rank load
-    its data itself (e.g. ``np.load(path, mmap_mode="r")`` in the function)."""
-
-    def __init__(self, nbytes: int, limit: int, source: str):
-        self.nbytes, self.limit, self.source = nbytes, limit, source
-        super().__init__(
-            f"mplaunch: the large buffers of the call's arguments (and of the globals its "
-            f"functions read) need {size_text(nbytes)} of shared memory "
-            f"(written once, mapped by every rank), more than the {size_text(limit)} this "
-            f"machine can lend now ({source}); nothing was started. Pass less, or load the "
-            "data in each rank (np.load(path, mmap_mode='r'), torch.load(path, mmap=True)).")
-
-    def __reduce__(self):
-        return type(self), (self.nbytes, self.limit, self.source)
-
-
-def size_text(n: int) -> str:
-    """n bytes, as people read sizes."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} bytes"
 
 
 def _align(n: int) -> int:
@@ -233,7 +204,7 @@ class Payload:
         try:
             os.ftruncate(fd, self.nbytes)   # holes until written: no memory yet
             _pwrite_all(fd, memoryview(self.pickled)[:-8], 0)
-            budget = _Budget(self.nbytes)
+            budget = Budget(self.nbytes)
             _run([job for s, at in zip(sources, self._offsets) for job in s.jobs(fd, at)],
                  budget)
             _pwrite_all(fd, memoryview(self._tail), self.region_end)
@@ -293,7 +264,7 @@ def _job_size(job) -> int:
     return args[1].nbytes if func is _pwrite_all else args[2]
 
 
-def _run(jobs: list, budget: "Optional[_Budget]" = None) -> None:
+def _run(jobs: list, budget: "Optional[Budget]" = None) -> None:
     """Run the writes, on a few threads when there are several: the kernel allocates and
     fills the file's pages as fast as memory lets, each thread its own."""
     if budget is not None:
@@ -332,98 +303,10 @@ def _run(jobs: list, budget: "Optional[_Budget]" = None) -> None:
         raise errors[0]
 
 
-def _counted(budget: _Budget, job) -> None:
+def _counted(budget: Budget, job) -> None:
     budget.wrote(_job_size(job))
     job[0](*job[1])
 
-
-def lendable() -> Tuple[int, str]:
-    """(bytes, where the figure comes from): the memory this process may fill with
-    shared pages now: the kernel's MemAvailable, or less where a memory cgroup's limit
-    leaves less: its own cgroup's or any ancestor's (a container's limit is often set
-    on a parent), each less what it uses beyond page cache the kernel can drop
-    (inactive_file, as the kubelet counts a working set). A memfd counts against
-    neither /dev/shm's size nor overcommit."""
-    limit, source = sys.maxsize, "no limit found"
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    limit, source = int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
-    cgroup = memory_cgroup(os.getpid())
-    while cgroup is not None and cgroup.startswith(_CGROUPS):
-        left = _cgroup_left(cgroup)
-        if left is not None and left < limit:
-            limit = left
-            source = (f"the limit of memory cgroup {cgroup} less what it uses beyond "
-                      "reclaimable page cache")
-        parent = os.path.dirname(cgroup)
-        cgroup = parent if parent != cgroup else None
-    return limit, source
-
-
-_CGROUPS = "/sys/fs/cgroup/"
-
-
-def _cgroup_left(cgroup: str) -> Optional[int]:
-    """What `cgroup`'s limit leaves (v2, else v1), None without a limit there."""
-    for cap, used, cache in (("memory.max", "memory.current", "inactive_file"),
-                             ("memory.limit_in_bytes", "memory.usage_in_bytes",
-                              "total_inactive_file")):
-        try:
-            with open(os.path.join(cgroup, cap)) as f:
-                text = f.read().strip()
-            with open(os.path.join(cgroup, used)) as f:
-                in_use = int(f.read())
-        except (OSError, ValueError):
-            continue
-        if not text.isdigit() or int(text) >= 1 << 60:   # "max", or v1's no-limit
-            return None
-        try:
-            with open(os.path.join(cgroup, "memory.stat")) as f:
-                for line in f:
-                    name, _, value = line.partition(" ")
-                    if name == cache:
-                        in_use = max(0, in_use - int(value))
-                        break
-        except (OSError, ValueError):
-            pass
-        return max(0, int(text) - in_use)
-    return None
-
-
-class _Budget:
-    """The writes of one payload check, as they go, that what is left to write still
-    fits: two large payloads written at once (two notebooks, two Worlds) each passed
-    the check made before writing, and together filled the machine. Asked again every
-    _RECHECK bytes; the first writer that no longer fits stops with InputsTooLarge and
-    its pages are freed, so the other finishes."""
-
-    def __init__(self, total: int):
-        self.total, self.written, self._next = total, 0, _RECHECK
-        self._lock = threading.Lock()
-
-    def wrote(self, n: int) -> None:
-        with self._lock:
-            self.written += n
-            if self.written < self._next:
-                return
-            self._next = self.written + _RECHECK
-            left = self.total - self.written
-        limit, source = lendable()
-        if left > limit:
-            raise InputsTooLarge(self.total, limit + self.written,
-                                 f"{source}, while it was being written: something "
-                                 "else took memory meanwhile")
-
-
-_RECHECK = 256 << 20
-
-
-# -- the rank's side --------------------------------------------------------------------
 
 class Buffers(list):
     """A payload's out-of-band buffers in stream order; those from `main_at` on are the

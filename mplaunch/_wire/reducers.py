@@ -142,7 +142,7 @@ def _obj_state(torch, t):
 
 
 def _describe(t) -> str:
-    from .buffers import size_text
+    from .lending import size_text
     return (f"{str(t.dtype).replace('torch.', '')} {tuple(t.shape)}, "
             f"{size_text(t.numel() * t.element_size())}, on {t.device}")
 
