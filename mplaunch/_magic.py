@@ -9,7 +9,8 @@ A ``%%ranks`` cell runs in each rank's ``__main__`` namespace: the names it defi
 there for the next cell and for ``%ranks pull``, and a class defined in a cell pickles
 by reference there, as it would in a script (``torch.save(model)``, DataLoader
 workers). The notebook's own names are not sent: ``%ranks push`` copies chosen ones, as
-ipyparallel's ``push`` does. docs/notebooks.rst describes what users see.
+ipyparallel's ``push`` does. docs/notebooks.rst describes what users see; what a failed
+cell or pull shows is made in mplaunch._magic_errors.
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import linecache
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
+from ._magic_errors import (Usage, not_rebuilt, notebook_name_note, rebuilt, shown_error,
+                            why_torn_down)
 from ._rank import cells
-from ._wire.stacks import rank_list, short_path
 from .errors import LaunchTimeout, MainProcessError, WorkerError
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", "DEFAULT_NPROCS"]
@@ -56,10 +58,6 @@ def unload_ipython_extension(ipython) -> None:
 #
 # -- the notebook's side -----------------------------------------------------------------
 
-class _Usage(Exception):
-    """A bad %ranks line; shown as IPython's UsageError (a one-line message)."""
-
-
 class _Done(Exception):
     """--help was printed."""
 
@@ -71,11 +69,11 @@ def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
     class _Parser(argparse.ArgumentParser):
         def error(self, message):
-            raise _Usage(f"{self.prog}: {message}")
+            raise Usage(f"{self.prog}: {message}")
 
         def exit(self, status=0, message=None):
             if message:
-                raise _Usage(message)
+                raise Usage(message)
             raise _Done
 
     line = _Parser(prog="%ranks", description=(
@@ -136,7 +134,7 @@ def _placement(args, command: str) -> Dict[str, Any]:
     try:
         return placement_settings(args, command)
     except ValueError as exc:
-        raise _Usage(str(exc)) from None
+        raise Usage(str(exc)) from None
 
 
 def _default_backend() -> Optional[str]:
@@ -181,7 +179,7 @@ class _Ranks:
             return self._cell(cell_parser.parse_args(shlex.split(line)), line, cell)
         except _Done:
             return None
-        except _Usage as exc:
+        except Usage as exc:
             from IPython.core.error import UsageError
             raise UsageError(str(exc)) from None
 
@@ -224,13 +222,13 @@ class _Ranks:
         settings = dict(self.settings)
         if args.nprocs is not None:
             if args.nprocs < 1:
-                raise _Usage(f"%ranks start: NPROCS must be at least 1, got {args.nprocs}")
+                raise Usage(f"%ranks start: NPROCS must be at least 1, got {args.nprocs}")
             settings["nprocs"] = args.nprocs
         if args.backend is not None:
             settings["backend"] = None if args.backend.lower() == "none" else args.backend
         if args.nodes is not None:
             if args.nodes < 1:
-                raise _Usage(f"%ranks start: --nodes must be at least 1, got {args.nodes}")
+                raise Usage(f"%ranks start: --nodes must be at least 1, got {args.nodes}")
             settings["nnodes"] = args.nodes
         for key in ("timeout", "grace_period", "log_dir", "heal", "master_addr",
                     "scheduler"):
@@ -246,7 +244,7 @@ class _Ranks:
             for item in args.env:
                 name, sep, value = item.partition("=")
                 if not sep or not name:
-                    raise _Usage(f"%ranks start: --env takes NAME=VALUE, got {item!r}")
+                    raise Usage(f"%ranks start: --env takes NAME=VALUE, got {item!r}")
                 env[name] = value
             settings["env"] = env
         self.stop(quiet=True)
@@ -269,7 +267,7 @@ class _Ranks:
         namespace = self.shell.user_ns
         missing = [n for n in names if n not in namespace]
         if missing:
-            raise _Usage(f"%ranks push: not defined in the notebook: {', '.join(missing)}")
+            raise Usage(f"%ranks push: not defined in the notebook: {', '.join(missing)}")
         self._run(cells.push, ({n: namespace[n] for n in names},), None)
 
     def pull(self, name: str) -> list:
@@ -279,20 +277,20 @@ class _Ranks:
             # The ranks answered, but the kernel could not rebuild what one sent (a
             # DistributedDataParallel module needs a process group): no rank raised, and
             # the world is as it was. The pickles, rebuilt here, say why.
-            if not (_not_rebuilt(err) and self.world is not None and self.world.pids):
+            if not (not_rebuilt(err) and self.world is not None and self.world.pids):
                 raise
             answers = None
         if answers is None:
             answers = self._run(cells.pull, (name, True), None)
         missing = [rank for rank, (state, _) in enumerate(answers) if state == "missing"]
         if missing:
-            raise _Usage(f"%ranks pull: {name!r} is not defined in rank(s) "
+            raise Usage(f"%ranks pull: {name!r} is not defined in rank(s) "
                          f"{', '.join(map(str, missing))}")
         for rank, (state, reason) in enumerate(answers):
             if state == "unpicklable":
-                raise _Usage(f"%ranks pull: rank {rank}'s {name!r} cannot be pickled "
+                raise Usage(f"%ranks pull: rank {rank}'s {name!r} cannot be pickled "
                              f"({reason}); pull something derived from it")
-        return [_rebuilt(name, rank, value) if state == "pickled" else value
+        return [rebuilt(name, rank, value) if state == "pickled" else value
                 for rank, (state, value) in enumerate(answers)]
 
     # -- %%ranks ---------------------------------------------------------------------
@@ -318,29 +316,6 @@ class _Ranks:
             self.stop(quiet=True)   # the next _run starts ranks placed so
         self._run(exec, (cells.Cell(filename, shown, 1, body), cells.MainNamespace()), args.timeout,
                   cell=filename)
-
-    def _notebook_name(self, err: BaseException) -> Optional[str]:
-        """For a NameError of a cell whose name is one of the notebook's own variables
-        (not IPython's): what to do about it, since the ranks have their own names."""
-        import re
-        import types
-        match = re.fullmatch(r"name '(\w+)' is not defined", str(err))
-        if not isinstance(err, NameError) or match is None or self.shell is None:
-            return None
-        name = match[1]
-        namespace = self.shell.user_ns
-        hidden = getattr(self.shell, "user_ns_hidden", {})
-        if name not in namespace or (name in hidden and hidden[name] is namespace[name]):
-            return None
-        value = namespace[name]
-        if isinstance(value, types.ModuleType):
-            alias = "" if value.__name__ == name else f" as {name}"
-            return (f"%%ranks: {name!r} is a module imported in the notebook; the ranks "
-                    f"have their own imports: import {value.__name__}{alias} in a "
-                    "%%ranks cell")
-        return (f"%%ranks: {name!r} is a variable of the notebook, not of the ranks (a "
-                "%%ranks cell sees only the ranks' own names). To send it to every "
-                f"rank: %ranks push {name}")
 
     def _register(self, shown: str) -> str:
         """The file name the cell's code is compiled under, its lines in linecache being
@@ -396,11 +371,12 @@ class _Ranks:
         except (WorkerError, LaunchTimeout, MainProcessError) as err:
             failure = err
         if not world.pids:
-            self.torn_down = _why(failure)
+            self.torn_down = why_torn_down(failure)
         # Out of the except block, so that it carries no __context__ of ours. The error
         # says why, and what became of the ranks.
-        raise _shown(failure, world.size, cell, bool(world.pids), world.nnodes > 1,
-                     self._notebook_name if cell else None)
+        raise shown_error(failure, world.size, cell, bool(world.pids), world.nnodes > 1,
+                          (lambda exc: notebook_name_note(self.shell, exc)) if cell
+                          else None)
 
 
 def _ranks(nprocs: int, nnodes: int, names=()) -> str:
@@ -410,125 +386,3 @@ def _ranks(nprocs: int, nnodes: int, names=()) -> str:
         return f"{nprocs} ranks"
     named = f" ({', '.join(names)})" if names else ""
     return f"{nprocs * nnodes} ranks on {nnodes} nodes{named}, {nprocs} on each"
-
-
-def _why(err: BaseException) -> str:
-    if isinstance(err, LaunchTimeout):
-        return "a cell ran past its timeout"
-    if isinstance(err, WorkerError):
-        return f"rank {err.rank} failed"
-    if isinstance(err, MainProcessError):
-        return f"the kernel received {err.signal_name}"
-    return type(err).__name__
-
-
-def _shown(err: BaseException, size: int, cell: Optional[str], kept=False,
-           nodes=False, explain=None) -> BaseException:
-    """What the notebook shows for a failed run, without mplaunch's frames.
-
-    A rank's exception raised by the code of the `cell` (its file name; None for other
-    calls) is shown itself, as a failing cell would show it: its type, its frames in the
-    cell's lines, and a note naming the rank (across `nodes`, its node too, as
-    ``%ranks`` shows it), the ranks that raised the same, and whether the world was
-    kept; `explain` may add a note of its own before that one. The ranks do not print
-    it (_rank.cells.raised_by_cell): it shows once.
-    Anything else (a rank killed by a signal, a timeout, an interrupt) is the
-    WorkerError, LaunchTimeout or MainProcessError as launch raises it, with a note
-    saying what became of the world: that note alone, not the message's last line too
-    (``[mplaunch.World] ...``, which a healing World's ``healed`` adds)."""
-    healed = getattr(err, "healed", None)
-    after = healed or ("the world was kept" if kept else
-                       f"the world's {size} ranks were torn down; the next %%ranks cell "
-                       "starts fresh ones")
-    cause = err.__cause__
-    if cell and type(err) is WorkerError and isinstance(cause, Exception):
-        first = err.first
-        where = (f"on node {first.node_rank} ({first.hostname}, pid {first.pid})"
-                 if nodes else f"(pid {first.pid})")
-        same, others = _same_as_first(err.failures, cell)
-        note = (f"%%ranks: rank {err.rank} {where} raised this"
-                + (f"; {rank_list(same)} raised the same" if same else "")
-                + (f"; {others}" if others else "")
-                + f"; {after}.")
-        hint = explain(cause) if explain is not None else None
-        cause.__notes__ = [*getattr(cause, "__notes__", ()),
-                           *([hint] if hint else []), note]
-        return cause
-    if healed:
-        err.healed = None   # said by the note
-    err.__notes__ = [*getattr(err, "__notes__", ()), f"%ranks: {after}."]
-    return err.with_traceback(None)
-
-
-def _same_as_first(failures, filename: str) -> Tuple[List[int], str]:
-    """The ranks after the first failure that raised the same exception (type, message
-    and the user's frames), and the others in words, alike ones together (ranks that the
-    World released or interrupted, at the same place), a line of the cell (`filename`)
-    named as such."""
-    groups: Dict[Any, List[Any]] = {}
-    for i, f in enumerate(failures):
-        released = getattr(f, "released", None)
-        key = (("released", released, f.location) if released and i else
-               (f.exc_type, f.message, _users_frames(f.traceback))
-               if f.exc_type is not None else i)
-        groups.setdefault(key, []).append(f)
-    same, said = [], []
-    for group in groups.values():
-        if group[0] is failures[0]:
-            same = [f.rank for f in group[1:]]
-            continue
-        text = group[0].describe()
-        for path in {filename, short_path(filename)}:
-            text = text.replace(f"at {path}:", "at the cell's line ")
-        if len(group) > 1:
-            text += f", and {rank_list([f.rank for f in group[1:]])} the same"
-        said.append(text)
-    if not said:
-        return same, ""
-    n = len(failures) - 1 - len(same)
-    return same, (f"{n} more rank(s) failed otherwise: " + "; ".join(said[:8])
-                  + (" ..." if len(said) > 8 else ""))
-
-
-def _users_frames(tb_text: Optional[str]) -> tuple:
-    """(file, line, function) of each frame of a rank's traceback text outside Python's
-    library, torch and mplaunch (paths that may differ from node to node)."""
-    import os
-    import re
-    import sysconfig
-    paths = sysconfig.get_paths()
-    library = tuple({os.path.realpath(paths[k]) + os.sep for k in
-                     ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k)}
-                    | {os.path.dirname(os.path.abspath(__file__)) + os.sep})
-    return tuple(m.groups() for m in re.finditer(
-        r'^  File "(.*)", line (\d+), in (.*)$', tb_text or "", re.M)
-        if not os.path.realpath(m[1]).startswith(library))
-
-
-def _not_rebuilt(err: WorkerError) -> bool:
-    """Whether every failure of `err` is a value the kernel could not rebuild: the rank
-    raised nothing (no traceback), the kernel's unpickling did."""
-    return all(f.exc_type is not None and f.traceback is None and f.signal is None
-               for f in err.failures)
-
-
-def _rebuilt(name: str, rank: int, answer) -> Any:
-    """A rank's value, from its pickle (cells.pull, pickled=True); what it is and why,
-    when the kernel cannot rebuild it."""
-    import pickle
-    what, blob = answer
-    try:
-        return pickle.loads(blob)
-    except Exception as exc:  # noqa: BLE001 - any failure is said
-        why = f"{type(exc).__name__}: {str(exc).rstrip('.')}"
-    text = (f"%ranks pull: rank {rank} raised nothing, but the kernel could not rebuild "
-            f"its {name!r}, a {what['type']} ({why})")
-    if what["wraps"]:
-        raise _Usage(f"{text}. A {what['type']} can be rebuilt only inside a process "
-                     "group, and the kernel is in none: pull the module it wraps, or its "
-                     f"weights. In a %%ranks cell: net = {name}.module (or weights = "
-                     f"{name}.module.state_dict()), then %ranks pull net")
-    if what["module"]:
-        raise _Usage(f"{text}. Pull its weights: in a %%ranks cell, weights = "
-                     f"{name}.state_dict(), then %ranks pull weights")
-    raise _Usage(f"{text}; pull something derived from it")

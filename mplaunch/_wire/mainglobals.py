@@ -29,36 +29,26 @@ The rule, per name:
 How the rank tells its own names: the ledger remembers, for each name, the object it
 last put there from the caller. After each call, a name that no longer holds that very
 object was bound by the rank; so was one that the code the call ran assigns, which
-catches ``model = model.to(device)``, a rebinding to the same object. That code is:
+catches ``model = model.to(device)``, a rebinding to the same object. That code is the
+call's function, every function of the caller's `__main__` that the call brought,
+wherever it was (the rank's load notes each as it makes it, `function_setstate`, so no
+object of the payload is searched for them), a ``%%ranks`` cell's statements, and what
+they read as globals; what it assigns is read from its bytecode (_wire.codescan, which
+says what is seen and what is not). Where code binds a name in a way not seen there,
+identity alone decides: where it binds the very object the caller sent (a small int,
+None, the model it sent), the name stays the caller's; docs/world.rst says so.
 
-- the call's function, and every function of the caller's `__main__` that the call
-  brought, wherever it was (an argument, the closure of a decorator such as
-  ``@torch.no_grad()`` or one made with `functools.wraps`, an object's class): the
-  rank's load notes each as it makes it (`function_setstate`), so no object of the
-  payload is searched for them;
-- a ``%%ranks`` cell's statements;
-- the functions and classes of the rank's `__main__` that this code reads as globals,
-  and theirs; the functions a decorator wraps (``__wrapped__``, closures). Only a name
-  read as a global counts: ``opt.step()`` is not a use of a function ``step``.
-
-What it assigns: ``global`` statements (STORE_GLOBAL), a cell's own assignments, and
-``globals()["name"] = ...`` with the name written out. Code that binds a name another
-way (``globals().update(...)``, ``setattr`` on the module, ``exec`` of a string, another
-module's code) is seen only by identity: where it binds the very object the caller sent
-(a small int, None, the model it sent), the name stays the caller's; docs/world.rst says
-so.
 Identity and assignment, not equality: an object the rank changes in place
 (``history.append(x)``) is still the caller's, and the caller's next copy replaces it,
 as before; but not a torch module, optimizer, LR scheduler or tensor that the caller
 still holds unchanged (a model and its optimizer built in a notebook's cell and
 stepped by a run, ``opt.step()``: each run started training again, silently). For
-those the caller sends, with each name, a fingerprint (`_state`): the object's identity
-here (a serial number, `_token`: ids are reused), its tensors' ids, version counters and
-storage, its modules' train/eval mode, its hyperparameters. Where the caller's object
-is the one whose copy the rank holds, unchanged since, the rank keeps its copy, changed
-in place or not, and the caller's new copy is dropped; where the caller rebound the
-name or changed the object, the rank takes it, and where the rank had changed its copy
-the caller is told that this was lost (``replaced``), once per object of the caller's.
+those the caller sends, with each name, a fingerprint (_wire.fingerprints: who the
+object is, what in it can change in place). Where the caller's object is the one whose
+copy the rank holds, unchanged since, the rank keeps its copy, changed in place or not,
+and the caller's new copy is dropped; where the caller rebound the name or changed the
+object, the rank takes it, and where the rank had changed its copy the caller is told
+that this was lost (``replaced``), once per object of the caller's.
 Objects that share tensors (an optimizer holds its model's parameters; a scheduler its
 optimizer) are kept or taken together, or the rank's optimizer would step a model that
 is no longer its `__main__`'s; so is a kept object that anything else the call brought
@@ -69,22 +59,17 @@ per name: another model here under that name is said again.
 Rejected: ipyparallel's ``@interactive`` way, where a function resolves every global in
 the engine's namespace and nothing travels unless pushed: mplaunch's functions run with
 the caller's constants and helpers without a push (in `launch` as in a World), and users
-rely on it. Rejected too: telling changes by comparing values (``==`` on arbitrary
-objects, tensors among them, is neither cheap nor a truthful bool) or by keeping a
-snapshot of each value sent (a second copy of every global), and watching the
-namespace's writes: a module's namespace is a plain dict, whose ``STORE_GLOBAL`` no
-``__setitem__`` sees, and CPython's dict watchers are for C code only.
+rely on it. (What was rejected for telling changes is said in _wire.codescan and
+_wire.fingerprints.)
 """
 from __future__ import annotations
 
-import functools
 import gc
-import itertools
-import opcode
 import sys
 import types
-import weakref
-from typing import Dict, Iterable, List, Optional, Set
+from typing import Dict, Iterable, List, Optional
+
+from . import codescan, fingerprints
 
 __all__ = ["track", "function_reduce", "function_setstate", "install", "push",
            "cell_runs", "settle", "take_kept"]
@@ -149,12 +134,12 @@ def function_reduce(rv, defined: Iterable[str], missing: Iterable[str] = ()):
 
 def _prints(state, defined: tuple) -> dict:
     """{name: (token, state)} of the globals in cloudpickle's `state` of a function: who
-    each object is here (`_token`) and, for a torch object, what it holds (`_state`)."""
+    each object is here and, for a torch object, what it holds (_wire.fingerprints)."""
     try:
         named = state[1]["__globals__"]
     except (TypeError, LookupError):
         return {}
-    return {k: (_token(v), _state(v)) for k, v in named.items()
+    return {k: (fingerprints.token(v), fingerprints.state(v)) for k, v in named.items()
             if k not in defined and not _dunder(k)}
 
 
@@ -222,7 +207,7 @@ def _take(ledger: _Ledger, name: str, value, token, state, why=None) -> None:
     old, own, before = (namespace.get(name, _MISSING), ledger.own.get(name),
                         prints.get(name))
     if own is not None and old is ledger.given.get(name, _MISSING) and \
-            _digest(old) != own:
+            fingerprints.digest(old) != own:
         if why is None:
             why = "changed" if before is not None and before[0] == token else "new"
         ledger.kept.append(("replaced", name, token, why))
@@ -230,7 +215,7 @@ def _take(ledger: _Ledger, name: str, value, token, state, why=None) -> None:
     _forget(ledger, name)
     if state is None:
         return
-    prints[name], ledger.own[name] = (token, state), _digest(value)
+    prints[name], ledger.own[name] = (token, state), fingerprints.digest(value)
     ledger.since[name] = ledger.loads
     ids = set(state[1])
     for other in [n for n in ledger.spared if not ids.isdisjoint(prints[n][1][1])]:
@@ -266,7 +251,7 @@ def push(namespace: dict, values: dict) -> None:
             # Not from a run: the next run's object replaces it, said if the rank
             # changed this one in place meanwhile.
             _forget(ledger, name)
-            digest = _digest(value)
+            digest = fingerprints.digest(value)
             if digest is not None:
                 ledger.own[name] = digest
 
@@ -293,7 +278,7 @@ def settle(func=None) -> None:
         _forget(ledger, name)
     if given and runs:
         try:
-            assigned = _assigned_by(runs, namespace, set(given))
+            assigned = codescan.assigned_by(runs, namespace, set(given))
         except Exception:  # noqa: BLE001 - odd code or objects: identity alone decides
             assigned = set()
         for name in assigned:
@@ -373,95 +358,6 @@ def _dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__")
 
 
-# -- torch objects: who the caller's object is, and what it holds -------------------
-
-_SCALARS = (type(None), bool, int, float, complex, str, bytes)
-_serials: Dict[int, tuple] = {}    # id -> (a weak reference to the object, its serial)
-_counter = itertools.count(1)
-
-
-def _token(value):
-    """Who `value` is in the caller, for as long as it lives: a serial number (an id
-    is reused by the next object), or for a scalar its hash (the same value is the
-    same), or where no weak reference can be made (a list), its id."""
-    if type(value) in _SCALARS:
-        return ("=", hash(value))
-    key = id(value)
-    entry = _serials.get(key)
-    if entry is not None and entry[0]() is value:
-        return entry[1]
-    try:
-        ref = weakref.ref(value, functools.partial(_unserial, key))
-    except TypeError:
-        return ("id", key)
-    serial = next(_counter)
-    _serials[key] = (ref, serial)
-    return serial
-
-
-def _unserial(key: int, ref) -> None:
-    entry = _serials.get(key)
-    if entry is not None and entry[0] is ref:
-        del _serials[key]
-
-
-def _state(value):
-    """(a digest of what can change in place, the ids of its tensors) of a torch
-    module, optimizer, LR scheduler or tensor: the tensors' ids, version counters
-    (every in-place change bumps them), storage and requires_grad; a module's
-    train/eval modes; an optimizer's hyperparameters and state; a scheduler's
-    attributes. None for any other object, or one that cannot be read so."""
-    torch = sys.modules.get("torch")
-    if torch is None or type(value) in _SCALARS:
-        return None
-    try:
-        if isinstance(value, torch.Tensor):
-            tensors, extra = [value], ()
-        elif isinstance(value, torch.nn.Module):
-            tensors = [*value.parameters(), *value.buffers()]
-            extra = tuple(m.training for m in value.modules())
-        elif isinstance(value, torch.optim.Optimizer):
-            tensors = [p for g in value.param_groups for p in g["params"]]
-            extra = (tuple(_plain(v) for g in value.param_groups
-                           for k, v in sorted(g.items()) if k != "params"),
-                     tuple(_plain(v) for s in value.state.values() for v in s.values()))
-        elif isinstance(value, _schedulers(torch)):
-            tensors = [p for g in value.optimizer.param_groups for p in g["params"]]
-            extra = tuple(_plain(v) for k, v in sorted(vars(value).items())
-                          if k != "optimizer")
-        else:
-            return None
-        seen = tuple((id(t), t._version, t.data_ptr(), t.requires_grad) for t in tensors)
-        return hash((seen, extra)), tuple(id(t) for t in tensors)
-    except Exception:  # noqa: BLE001 - an inference tensor, a sparse one: untracked
-        return None
-
-
-def _digest(value) -> Optional[int]:
-    state = _state(value)
-    return None if state is None else state[0]
-
-
-def _schedulers(torch) -> tuple:
-    lr = torch.optim.lr_scheduler
-    return tuple(c for c in (getattr(lr, "LRScheduler", None),
-                             getattr(lr, "_LRScheduler", None),
-                             getattr(lr, "ReduceLROnPlateau", None)) if c is not None)
-
-
-def _plain(value):
-    """A hashable stand-in for `value` that changes when it does, as far as a look
-    at it can tell: scalars as they are, a tensor's id and version, others' ids."""
-    if type(value) in _SCALARS:
-        return value
-    if type(value) in (list, tuple):
-        return tuple(_plain(v) for v in value)
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        return id(value), value._version
-    return "id", id(value)
-
-
 def _differ(current, value) -> bool:
     if current is value:
         return False
@@ -471,153 +367,3 @@ def _differ(current, value) -> bool:
         return not bool(current == value)
     except Exception:  # noqa: BLE001 - a container of tensors, say
         return True
-
-
-_STORE_GLOBAL = opcode.opmap["STORE_GLOBAL"]
-_STORE_NAME = opcode.opmap["STORE_NAME"]
-_STORE_SUBSCR = opcode.opmap["STORE_SUBSCR"]
-_LOAD_CONST = opcode.opmap["LOAD_CONST"]
-_LOAD_GLOBAL = opcode.opmap["LOAD_GLOBAL"]
-# Since 3.11 LOAD_GLOBAL's argument is the name's index times two (plus a flag).
-_LOAD_GLOBAL_SHIFT = 1 if sys.version_info >= (3, 11) else 0
-# Reads that fall through to the module's namespace: a module's or class body's names,
-# and (3.12) a class body's in a function or with type parameters.
-_LOAD_NAMES = frozenset(opcode.opmap[n] for n in ("LOAD_NAME",
-                                                  "LOAD_FROM_DICT_OR_GLOBALS")
-                        if n in opcode.opmap)
-_EXTENDED_ARG = opcode.EXTENDED_ARG
-_MAIN_NAMES = ("__main__", "__mp_main__")   # as _wire.mainmod.MAIN_NAMES (which imports us)
-# What a global, a closure or a ``__wrapped__`` may hold that leads to code to read.
-_FOLLOWED = (types.FunctionType, types.MethodType, functools.partial, staticmethod,
-             classmethod, property)
-
-
-def _assigned_by(runs, namespace: dict, wanted: Set[str]) -> Set[str]:
-    """The names of `wanted` that the code in `runs` assigns: a function's ``global``
-    statements and ``globals()["name"] = ...``, a ``%%ranks`` cell's assignments (a code
-    object run in `namespace`), and those of the functions and classes of `namespace`
-    that they read as globals, and of theirs; a decorated function's, wherever the
-    decorator came from (``__wrapped__``, a closure). Code that may not have run counts
-    too: a function that declares ``global best`` and assigns it makes ``best`` state
-    of the process it runs in."""
-    found: Set[str] = set()
-    seen: Set[int] = set()
-    todo = list(runs)
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, functools.partial):
-            todo.append(obj.func)
-        elif isinstance(obj, (types.MethodType, staticmethod, classmethod)):
-            todo.append(obj.__func__)
-        elif isinstance(obj, property):
-            todo.extend(f for f in (obj.fget, obj.fset, obj.fdel) if f is not None)
-        elif isinstance(obj, type):
-            if obj.__module__ in _MAIN_NAMES:
-                todo.extend(vars(obj).values())
-        elif isinstance(obj, (types.FunctionType, types.CodeType)):
-            cell = isinstance(obj, types.CodeType)
-            if not cell:
-                # A decorator's function (torch.no_grad's is torch's own) holds the
-                # decorated one in its closure; functools.wraps names it too.
-                todo.extend(_wrapped(obj))
-                if obj.__globals__ is not namespace:
-                    continue   # another module's: its globals are not __main__'s
-            for code in _codes(obj if cell else obj.__code__):
-                # A cell's own statements bind names with STORE_NAME (a module's code);
-                # in the functions and classes it defines, that is a local or a class
-                # attribute.
-                stores, loads = _scan(code, namespace, wanted, cell and code is obj)
-                found |= stores
-                todo.extend(namespace[name] for name in loads)
-        else:
-            todo.extend(_wrapped(obj))   # functools.lru_cache's wrapper, say
-    return found
-
-
-def _wrapped(obj) -> list:
-    """The callables a decorator's result `obj` holds: its ``__wrapped__`` (read from
-    its own dict: no descriptor or ``__getattr__`` runs) and, for a function, its
-    closure's."""
-    found = []
-    wrapped = _own_dict(obj).get("__wrapped__")
-    if wrapped is not None:
-        found.append(wrapped)
-    if type(obj) is types.FunctionType and obj.__closure__:
-        for cell in obj.__closure__:
-            try:
-                value = cell.cell_contents
-            except ValueError:   # empty
-                continue
-            if isinstance(value, _FOLLOWED):
-                found.append(value)
-    return found
-
-
-def _own_dict(obj) -> dict:
-    # The object's own attributes, read without running its __getattr__ or a property.
-    try:
-        own = object.__getattribute__(obj, "__dict__")
-    except Exception:  # noqa: BLE001 - no __dict__, or an odd one
-        return {}
-    return own if type(own) is dict else {}
-
-
-def _codes(code):
-    yield code
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _codes(const)
-
-
-def _followed(value, namespace: dict) -> bool:
-    """Whether a global holding `value` leads to code that may assign `__main__`'s
-    names: a function of `__main__`, one that wraps another (a decorator's), a class of
-    `__main__`. Another module's plain function does not, nor does any other object."""
-    if type(value) is types.FunctionType:
-        return (value.__globals__ is namespace or value.__closure__ is not None
-                or "__wrapped__" in value.__dict__)
-    if isinstance(value, type):
-        return value.__module__ in _MAIN_NAMES
-    return isinstance(value, _FOLLOWED) or "__wrapped__" in _own_dict(value)
-
-
-def _scan(code, namespace: dict, wanted: Set[str], module_level: bool):
-    """(the names of `wanted` that `code` assigns in its module, the names it reads
-    from there that hold functions or `__main__` classes). The bytecode is read only
-    where `code`'s names or constants could give an answer: most code costs a set test
-    and a few look-ups."""
-    names = code.co_names
-    candidates = [n for n in names if _followed(namespace.get(n), namespace)]
-    subscripts = "globals" in names and any(
-        type(c) is str and c in wanted for c in code.co_consts)
-    if not candidates and not subscripts and wanted.isdisjoint(names):
-        return set(), ()
-    stores_ops = (_STORE_GLOBAL, _STORE_NAME) if module_level else (_STORE_GLOBAL,)
-    consts, count = code.co_consts, len(names)
-    stores, loads, keys = set(), set(), set()
-    raw, extended, const = code.co_code, 0, None
-    for i in range(0, len(raw), 2):
-        op, arg = raw[i], raw[i + 1] | extended
-        if op == _EXTENDED_ARG:
-            extended = arg << 8
-            continue
-        extended = 0
-        if op in stores_ops:
-            if arg < count:
-                stores.add(names[arg])
-        elif op == _LOAD_GLOBAL:
-            arg >>= _LOAD_GLOBAL_SHIFT
-            if arg < count:
-                loads.add(names[arg])
-        elif op in _LOAD_NAMES:
-            if arg < count:
-                loads.add(names[arg])
-        elif op == _STORE_SUBSCR and type(const) is str:
-            keys.add(const)   # x["name"] = ...: the namespace's when x is globals()
-        const = consts[arg] if op == _LOAD_CONST and arg < len(consts) else None
-    if "globals" in loads:
-        stores |= keys
-    return stores & wanted, [n for n in candidates if n in loads]
