@@ -42,8 +42,10 @@ PICKLING_TESTS=(-m "" tests/test_pickler.py tests/test_errors.py tests/test_repo
                 tests/test_plugin.py tests/test_plugin_reuse.py tests/test_notebook.py
                 tests/test_world_main.py tests/test_inputs.py)
 # The slow tests (tens of seconds each) run once, in the README job: what they prove
-# depends on mplaunch more than on the torch release.
-TORCH_TESTS=(-m "not no_torch and not slurm and not slow")
+# depends on mplaunch more than on the torch release. So do the notebook tests: a real
+# kernel each, several seconds apiece, and what they add to the World tests below them
+# is IPython's, not torch's (CI's 90 minutes on 2 cores hold both torch jobs so).
+TORCH_TESTS=(-m "not no_torch and not slurm and not slow and not notebook")
 
 jobs_wanted=${MPLAUNCH_DEPS_JOBS:-pickling-floor pickling-newest torch-newest torch-floor ray-floor}
 failed=()

@@ -23,7 +23,8 @@ pytest.importorskip("nbclient")
 from test_notebook import (_errors, _plain, _stream, kernel_config,  # noqa: E402,F401
                            run_cells)
 
-pytestmark = pytest.mark.notebook
+# Each test drives a kernel of its own: 7-11 s on 2 cores, run with the slow set.
+pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
 
 def _error(cell) -> tuple:

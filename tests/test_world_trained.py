@@ -23,6 +23,9 @@ from test_world_main import _run_script
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts_trained", "trained_cases.py")
 
+# Each runs a World through several calls or a kernel: 6-12 s on 2 cores.
+pytestmark = pytest.mark.slow
+
 
 def _case(tmp_path, case: str, method: str) -> dict:
     with open(SCRIPT) as f:

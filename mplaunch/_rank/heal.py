@@ -167,12 +167,16 @@ _C10D = os.sep + os.path.join("torch", "distributed", "distributed_c10d.py")
 
 def _collective_of(chain: List[BaseException]) -> Optional[str]:
     """The torch.distributed function the user's code called that these exceptions'
-    frames are in ("all_reduce"; broadcast_object_list, not the broadcast inside it)."""
-    for exc in chain:
+    frames are in ("all_reduce"; broadcast_object_list, not the broadcast inside it).
+    The collective's own error is asked first: an interrupt that landed while torch
+    handled it (torch 2.1's logging wrapper asks is_initialized() there) is not in it;
+    and a query (is_*, get_*) is never the collective."""
+    for exc in sorted(chain, key=lambda e: not _lost_peer(e)):
         tb = exc.__traceback__
         while tb is not None:
             code = tb.tb_frame.f_code
-            if code.co_filename.endswith(_C10D) and not code.co_name.startswith("_"):
+            if code.co_filename.endswith(_C10D) and not code.co_name.startswith(
+                    ("_", "is_", "get_")):
                 return code.co_name
             tb = tb.tb_next
     return None
