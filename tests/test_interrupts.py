@@ -110,6 +110,47 @@ def test_an_interrupt_right_after_the_call_is_sent_is_that_calls(method, monkeyp
         assert world.run(ranks_count) == [1, 1]
 
 
+@pytest.mark.parametrize("method", ["forkserver", "fork"])
+def test_interrupts_landing_anywhere_in_a_rank_never_kill_it(method):
+    """SIGINT sent straight to the ranks at random moments of a stream of short calls:
+    it may land while a rank reads its call, sets it up, pickles its answer or waits
+    for the next one. Only the call's own code may raise KeyboardInterrupt; elsewhere
+    it is dropped. Before: a rank died with the interrupt in heal.call_begins (CI,
+    torch-newest) and the World replaced it."""
+    rng = random.Random(41)
+    stop = threading.Event()
+    with mplaunch.World(2, start_method=method, grace_period=5) as world:
+        world.run(echo, (0,))
+        pids = dict(world.pids)
+
+        def spam():
+            while not stop.wait(rng.uniform(0.0005, 0.004)):
+                for pid in pids.values():
+                    try:
+                        os.kill(pid, signal.SIGINT)
+                    except ProcessLookupError:
+                        pass
+
+        sender = threading.Thread(target=spam, daemon=True)
+        sender.start()
+        outcomes = {"returned": 0, "interrupted": 0}
+        try:
+            deadline = time.monotonic() + 6
+            while time.monotonic() < deadline:
+                try:
+                    world.run(echo, (1, 0.001), timeout=60)
+                    outcomes["returned"] += 1
+                except mplaunch.WorkerError:
+                    outcomes["interrupted"] += 1
+                assert world.pids == pids, f"a rank died after {outcomes}"
+        finally:
+            stop.set()
+            sender.join()
+        assert world.run(echo, ("after",)) == ["after", "after"]
+        assert world.pids == pids
+        assert outcomes["interrupted"] > 0, outcomes   # the interrupts did reach calls
+
+
 def test_answers_to_a_call_given_up_on_are_never_the_next_calls():
     """The engine's own guard, whatever path leaves a call unanswered: every rank
     answers each call once, in order; an answer owed to an earlier call is dropped."""

@@ -6,14 +6,19 @@ arguments, as for a launch; the answer is the usual result or exception message.
 
 SIGINT (sent by a healing World to ranks that have not answered) raises KeyboardInterrupt
 in the call's code, as Ctrl-C does in a notebook, and never in our own plumbing: a rank
-interrupted while it reads a call or sends an answer would lose it, or die. A call that
-it ended is answered with one line on stderr, not a traceback (_rank.heal).
+interrupted while it reads a call or sends an answer would lose it, or die. So the
+interrupt is taken only inside a call's window (accept_interrupts: from the moment the
+call's code may run until it has returned or raised), and never in a frame of a module
+marked PLUMBING; anywhere else it is dropped, and the World sends it again (every 0.1 s)
+until the rank answers. A call that it ended is answered with one line on stderr, not a
+traceback (_rank.heal).
 """
 from __future__ import annotations
 
 import os
 import signal
 import socket
+import time
 from typing import Any, Callable, Dict, Optional
 
 from .._wire.channel import recv_framed
@@ -32,7 +37,6 @@ def serve(sock: socket.socket, payload_fd: int, call: Callable[[int], int]) -> i
     """Run calls until the parent closes the socket; the exit code (0). `payload_fd` is
     the first call's; each call's payload stays open until the next one's has replaced
     it (the rank's children read its `__main__` definitions there)."""
-    signal.signal(signal.SIGINT, _on_sigint)
     while True:
         fd = _next_call(sock)
         if fd is None:
@@ -63,7 +67,19 @@ Each module says so itself, so moving or renaming one keeps the guard true."""
 
 
 _interrupts = 0      # KeyboardInterrupts _on_sigint raised, in the rank's life
-_answering = False   # the rank is sending its answer (hold_interrupts)
+_accepting = False   # inside a call's window (accept_interrupts)
+_raised_at = 0.0     # when _on_sigint last raised (monotonic)
+# After raising, the interrupt is dropped this long: the KeyboardInterrupt is on its way
+# to the call's handler, and a second one that lands between the handler's first line
+# and its closing of the window would kill the rank. Shorter than the World's resend
+# (0.1 s), so code that catches KeyboardInterrupt and goes on is interrupted again.
+_SETTLING = 0.05
+
+
+def arm() -> None:
+    """Take SIGINT as a World's rank does (before its first call): only inside a
+    call's window."""
+    signal.signal(signal.SIGINT, _on_sigint)
 
 
 def interrupts() -> int:
@@ -72,20 +88,24 @@ def interrupts() -> int:
     return _interrupts
 
 
-def hold_interrupts(held: bool) -> None:
-    """While held, the World's interrupt is dropped wherever it lands: the rank is
-    answering (its call's exception is being formatted and sent, in the standard
-    library's frames too, which are not ours), and the World stops sending it once the
-    answer is in."""
-    global _answering
-    _answering = held
+def accept_interrupts(accepted: bool) -> None:
+    """Open (True) or close a call's window. Outside it the World's interrupt is dropped
+    wherever it lands: the rank is reading its next call, setting it up, or answering
+    (pickling its result, formatting its exception, in the standard library's frames
+    too, which are not ours); the World stops sending it once the answer is in."""
+    global _accepting
+    _accepting = accepted
 
 
 def _on_sigint(signo, frame) -> None:
     # In our frames the interrupt is dropped; the World sends it again until the rank
     # answers, so one that lands in user code a moment later still interrupts it.
-    global _interrupts
-    if _answering or (frame is not None and frame.f_globals.get(PLUMBING)):
+    global _interrupts, _raised_at
+    if not _accepting or (frame is not None and frame.f_globals.get(PLUMBING)):
+        return
+    now = time.monotonic()
+    if now - _raised_at < _SETTLING:
         return
     _interrupts += 1
+    _raised_at = now
     raise KeyboardInterrupt

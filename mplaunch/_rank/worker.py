@@ -179,6 +179,7 @@ def _run_and_report(spec, fds: dict) -> int:
     _channel_inode = os.fstat(sock.fileno()).st_ino
     if spec.serve:
         heal.arm_release()   # before the first call: every thread must inherit its mask
+        serving.arm()        # the World's interrupt: only inside a call's window
     code = _call_and_report(sock, spec, fds["payload"], first=True)
     if spec.serve:
         # A World's rank: more calls follow, until the parent ends the world.
@@ -202,6 +203,7 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
             # would rendezvous again under the same keys).
             procgroup.setup(spec.backend)
         if spec.script is not None:
+            serving.accept_interrupts(True)
             value = _run_script(spec.script.target, spec.script.kind)
         else:
             func, args, kwargs = wire_payload.loads_payload(
@@ -210,11 +212,16 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
             kept = mainglobals.take_kept()
             if kept:
                 _send(sock, KeptGlobals(tuple(kept)))   # the caller warns, once per name
+            # The World's interrupt may end the call's own code, never mplaunch's
+            # calls of a heal (the group's state, its rebuild) nor their set-up.
+            serving.accept_interrupts(not _own_call(func))
             try:
                 value = func(*args, **kwargs)
             finally:
+                serving.accept_interrupts(False)
                 mainglobals.settle(func)   # what the call assigned is the rank's
     except SystemExit as exc:
+        serving.accept_interrupts(False)
         exitcode = _exit_code(exc.code)
         if exitcode == 0:
             _send(sock, Returned(None))
@@ -224,11 +231,13 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
         _send_exception(sock, exc, exitcode, show=False)  # as python does for exit(n)
         return exitcode
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt and pytest outcomes too
+        serving.accept_interrupts(False)
         if not spec.serve:
             procgroup.shield()   # its group ends after the report, before the SIGTERM
         _send_exception(sock, exc, EXIT_ERROR, hint=_spawn_style_hint(exc),
                         rank=spec.rank, began=began)
         return EXIT_ERROR
+    serving.accept_interrupts(False)   # a script's call: its value is being answered
     try:
         data, tensor_fds = wire_payload.dumps_result(value)
     except BaseException as exc:  # noqa: BLE001
@@ -246,6 +255,12 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
     for fd in tensor_fds:
         os.close(fd)
     return exitcode
+
+
+def _own_call(func) -> bool:
+    """`func` is one of mplaunch's own calls in a World's rank (_rank's set-up, group
+    state, rebuild), not a user's."""
+    return (getattr(func, "__module__", None) or "").startswith(__package__ + ".")
 
 
 def _raised_at_return(func, err: BaseException) -> BaseException:
@@ -374,33 +389,30 @@ def _send_exception(sock, exc: BaseException, exitcode: int, show: bool = True,
     """Send `exc` as the call's answer, its traceback written to stderr first (`show`).
     `began`: a World's rank's call_begins() of this call (_rank.heal): an exception that
     the World's release or interrupt raised is one line there, not a traceback."""
-    serving.hold_interrupts(True)   # the World's interrupt must not cut the answer off
-    try:
-        _from_users_code(exc)
-        released = heal.ended_by_world(exc, began) if began is not None else None
-        if show and released is None and cells.raised_by_cell(exc):
-            show = False   # a %%ranks cell's error: the notebook shows it, once
-        if hint:
-            # A note on the cause (Python shows it under the exception from 3.11 on), and
-            # a line of the message, so str(WorkerError) says it under every Python.
-            exc.__notes__ = [*getattr(exc, "__notes__", ()), hint]
-        blob, type_name, message, tb_text = pack_exception(exc)
-        if hint:
-            message = f"{message}\n{hint}"
-        if show:
-            # The copy on stderr goes first: once the exception is sent, the parent may
-            # tear this rank down before it is written. But stderr may be unusable (None
-            # in daemonised code, fd 2 closed): nothing here may stop the sending.
-            try:
-                sys.stderr.write(tb_text if released is None
-                                 else heal.released_line(rank, released, tb_text))
-                sys.stderr.flush()
-            except BaseException:  # noqa: BLE001 - the exception itself is sent below
-                pass
-        _send(sock, Raised(blob, type_name, message, tb_text, exitcode, time.time(),
-                           released))
-    finally:
-        serving.hold_interrupts(False)
+    serving.accept_interrupts(False)   # the World's interrupt must not cut the answer off
+    _from_users_code(exc)
+    released = heal.ended_by_world(exc, began) if began is not None else None
+    if show and released is None and cells.raised_by_cell(exc):
+        show = False   # a %%ranks cell's error: the notebook shows it, once
+    if hint:
+        # A note on the cause (Python shows it under the exception from 3.11 on), and
+        # a line of the message, so str(WorkerError) says it under every Python.
+        exc.__notes__ = [*getattr(exc, "__notes__", ()), hint]
+    blob, type_name, message, tb_text = pack_exception(exc)
+    if hint:
+        message = f"{message}\n{hint}"
+    if show:
+        # The copy on stderr goes first: once the exception is sent, the parent may
+        # tear this rank down before it is written. But stderr may be unusable (None
+        # in daemonised code, fd 2 closed): nothing here may stop the sending.
+        try:
+            sys.stderr.write(tb_text if released is None
+                             else heal.released_line(rank, released, tb_text))
+            sys.stderr.flush()
+        except BaseException:  # noqa: BLE001 - the exception itself is sent below
+            pass
+    _send(sock, Raised(blob, type_name, message, tb_text, exitcode, time.time(),
+                       released))
 
 
 def _flush_streams() -> None:
