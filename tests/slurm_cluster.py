@@ -775,10 +775,15 @@ def _prepare(root: Path, cpus_per_node: int) -> Tuple[SlurmCluster, Path]:
 
 
 def require_slurm() -> None:
-    """``pytest.skip`` the calling test if the cluster cannot run here."""
+    """``pytest.skip`` the calling test if the cluster cannot run here; under CI
+    (CI=true, where .ci/install-slurm.sh installed it) fail it instead: a SLURM that
+    could not be set up there is a failed run, never a row of skips."""
     missing = missing_binaries()
     if missing:
-        pytest.skip(f"{SKIP_REASON} (missing: {', '.join(missing)})")
+        why = f"{SKIP_REASON} (missing: {', '.join(missing)})"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI: {why}; .ci/install-slurm.sh should have installed them")
+        pytest.skip(why)
 
 
 @pytest.fixture
