@@ -27,19 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-MiB = 1 << 20
-
-
-def rollup(pid="self") -> dict:
-    """/proc/PID/smaps_rollup in bytes; "USS" is what the process alone holds."""
-    out = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) == 3 and parts[2] == "kB":
-                out[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    out["USS"] = out["Private_Clean"] + out["Private_Dirty"]
-    return out
+from smaps import MiB, rollup  # noqa: E402
 
 
 def _touch(obj) -> float:

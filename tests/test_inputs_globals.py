@@ -28,18 +28,7 @@ import torch
 import mplaunch
 from mplaunch._rank import cells
 
-MiB = 1 << 20
-
-
-def rollup(pid="self"):
-    out = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) == 3 and parts[2] == "kB":
-                out[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    out["USS"] = out["Private_Clean"] + out["Private_Dirty"]
-    return out
+from smaps import MiB, rollup
 
 
 def grown(before, after):
@@ -68,7 +57,8 @@ def _run_script(tmp_path, source: str) -> dict:
     script.write_text(COMMON + textwrap.dedent(source))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=170, cwd=str(tmp_path), stdin=subprocess.DEVNULL,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                              [ROOT, os.path.join(ROOT, "tests")])))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

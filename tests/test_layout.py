@@ -366,9 +366,11 @@ def test_a_plugin_tests_ranks_load_nothing_of_the_launching_side(pytester):
 
 
 @no_torch
-def test_the_interrupt_guard_knows_mplaunchs_plumbing_by_the_modules_own_word():
+def test_the_interrupt_guard_knows_mplaunchs_plumbing_by_the_modules_own_word(monkeypatch):
     """A healing World's SIGINT is dropped in mplaunch's own frames: the modules say so
-    themselves (a rename cannot silently break it), and user code is not among them."""
+    themselves (a rename cannot silently break it), and user code is not among them.
+    Outside a call's window it is dropped everywhere, and so is a second one that comes
+    right after the first raised."""
     import importlib
     import types
 
@@ -383,9 +385,18 @@ def test_the_interrupt_guard_knows_mplaunchs_plumbing_by_the_modules_own_word():
         exec(code, namespace)
         return namespace["frame"]
 
-    serve._on_sigint(2, frame_in(dict(vars(importlib.import_module(plumbing[1])))))
-    with pytest.raises(KeyboardInterrupt):
-        serve._on_sigint(2, frame_in({"__name__": "__main__"}))
-    with pytest.raises(KeyboardInterrupt):
-        serve._on_sigint(2, frame_in(dict(vars(types))))
+    user = frame_in({"__name__": "__main__"})
+    monkeypatch.setattr(serve, "_raised_at", 0.0)
+    serve._on_sigint(2, user)              # no call's window open: dropped
+    serve.accept_interrupts(True)
+    try:
+        serve._on_sigint(2, frame_in(dict(vars(importlib.import_module(plumbing[1])))))
+        with pytest.raises(KeyboardInterrupt):
+            serve._on_sigint(2, user)
+        serve._on_sigint(2, user)          # on its way to the call's handler: dropped
+        monkeypatch.setattr(serve, "_raised_at", 0.0)
+        with pytest.raises(KeyboardInterrupt):
+            serve._on_sigint(2, frame_in(dict(vars(types))))
+    finally:
+        serve.accept_interrupts(False)
 

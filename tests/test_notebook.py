@@ -263,6 +263,17 @@ def run_cells(sources: dict, config, cwd, failing=(), interrupt=None) -> dict:
     return {cell.id: cell for cell in nb.cells}
 
 
+def run_clean_cells(sources: dict, config, cwd):
+    """run_cells for cells none of which may raise: the cells by id, and what each
+    wrote to stdout and to stderr ({id: text})."""
+    cells = run_cells(sources, config, cwd)
+    for cell in cells.values():
+        assert not _errors(cell), cell
+    out = {name: _stream(cell) for name, cell in cells.items()}
+    err = {name: _stream(cell, "stderr") for name, cell in cells.items()}
+    return cells, out, err
+
+
 def test_failing_rank_and_interrupt_in_a_kernel(kernel_config, tmp_path):
     pidfile = tmp_path / "pids"
     tag = {"tags": ["raises-exception"]}

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from test_notebook import _errors, _stream, kernel_config, run_cells  # noqa: F401
+from test_notebook import kernel_config, run_clean_cells  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts_reloads")
@@ -115,11 +115,7 @@ KERNEL_CELLS = {
 
 @pytest.mark.notebook
 def test_autoreload_in_a_kernel_reaches_the_ranks(kernel_config, tmp_path):
-    cells = run_cells(KERNEL_CELLS, kernel_config, tmp_path)
-    for cell in cells.values():
-        assert not _errors(cell), cell
-    out = {name: _stream(cell) for name, cell in cells.items()}
-    err = {name: _stream(cell, "stderr") for name, cell in cells.items()}
+    _, out, err = run_clean_cells(KERNEL_CELLS, kernel_config, tmp_path)
     assert not any(err.values()), err
     assert "first ['b1', 'b1']" in out["setup"], out["setup"]
     # %autoreload 2 in its default mode: the kernel runs b2, and so do the ranks, for

@@ -23,7 +23,7 @@ import textwrap
 
 import pytest
 
-from test_notebook import _errors, _stream, kernel_config, run_cells  # noqa: F401
+from test_notebook import kernel_config, run_clean_cells  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -298,11 +298,7 @@ KERNEL_CELLS = {
 
 @pytest.mark.notebook
 def test_a_kernel_keeps_the_ranks_names_and_follows_its_reloads(kernel_config, tmp_path):
-    cells = run_cells(KERNEL_CELLS, kernel_config, tmp_path)
-    for cell in cells.values():
-        assert not _errors(cell), cell
-    out = {name: _stream(cell) for name, cell in cells.items()}
-    err = {name: _stream(cell, "stderr") for name, cell in cells.items()}
+    _, out, err = run_clean_cells(KERNEL_CELLS, kernel_config, tmp_path)
     # A World from the kernel: setup() made `model`; the kernel's `model = None` does
     # not undo it, and the cell that first met it says so, once; lr follows the kernel,
     # and so does a function redefined in a cell.

@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from test_notebook import _errors, _stream, kernel_config, run_cells  # noqa: F401
+from test_notebook import _stream, kernel_config, run_clean_cells  # noqa: F401
 from test_world_main import _run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -129,9 +129,7 @@ KERNEL_CELLS = {
 
 @pytest.mark.notebook
 def test_a_kernels_model_trains_on_from_cell_to_cell(kernel_config, tmp_path):
-    cells = run_cells(KERNEL_CELLS, kernel_config, tmp_path)
-    for cell in cells.values():
-        assert not _errors(cell), cell
+    cells, _, _ = run_clean_cells(KERNEL_CELLS, kernel_config, tmp_path)
     loss = {name: float(_stream(cells[name]).split()[-1])
             for name in ("train1", "train2", "train3", "rebind", "again")}
     # Adam's state and the model stay in the ranks from cell to cell.

@@ -97,6 +97,12 @@ def accept_interrupts(accepted: bool) -> None:
     _accepting = accepted
 
 
+def own_call(func) -> bool:
+    """`func` is one of mplaunch's own calls in a World's rank (_rank's set-up, group
+    state, rebuild), not a user's: its window stays closed."""
+    return (getattr(func, "__module__", None) or "").startswith(__package__ + ".")
+
+
 def _on_sigint(signo, frame) -> None:
     # In our frames the interrupt is dropped; the World sends it again until the rank
     # answers, so one that lands in user code a moment later still interrupts it.

@@ -214,7 +214,7 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
                 _send(sock, KeptGlobals(tuple(kept)))   # the caller warns, once per name
             # The World's interrupt may end the call's own code, never mplaunch's
             # calls of a heal (the group's state, its rebuild) nor their set-up.
-            serving.accept_interrupts(not _own_call(func))
+            serving.accept_interrupts(not serving.own_call(func))
             try:
                 value = func(*args, **kwargs)
             finally:
@@ -255,12 +255,6 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
     for fd in tensor_fds:
         os.close(fd)
     return exitcode
-
-
-def _own_call(func) -> bool:
-    """`func` is one of mplaunch's own calls in a World's rank (_rank's set-up, group
-    state, rebuild), not a user's."""
-    return (getattr(func, "__module__", None) or "").startswith(__package__ + ".")
 
 
 def _raised_at_return(func, err: BaseException) -> BaseException:
