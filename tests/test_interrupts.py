@@ -25,6 +25,11 @@ def echo(value, seconds=0.0):
     return value
 
 
+def sleep_then(local_rank, seconds):
+    time.sleep(seconds)
+    return local_rank
+
+
 def ranks_count():
     """How many calls of this function the rank has run (its state survives heals)."""
     st = mplaunch.rank_state()
@@ -149,6 +154,24 @@ def test_interrupts_landing_anywhere_in_a_rank_never_kill_it(method):
         assert world.run(echo, ("after",)) == ["after", "after"]
         assert world.pids == pids
         assert outcomes["interrupted"] > 0, outcomes   # the interrupts did reach calls
+
+
+def test_the_users_code_behind_mplaunchs_own_wrappers_is_interrupted_not_killed():
+    """A call whose function is mplaunch's (the spawn-style wrapper here; the pytest
+    plugin's test runner too) runs the user's code: the World's interrupt reaches it.
+    Only the heal's own calls (set-up, group state, rebuild) are never interrupted.
+    Before: a first version closed the window for every function of mplaunch._rank,
+    and the deadline killed the rank after the grace period."""
+    from mplaunch._rank.calls import with_local_rank
+    with mplaunch.World(2, grace_period=30) as world:
+        assert world.run(with_local_rank, (sleep_then, 0.0)) == [0, 1]
+        pids = dict(world.pids)
+        began = time.monotonic()
+        with pytest.raises(mplaunch.LaunchTimeout):
+            world.run(with_local_rank, (sleep_then, 60.0), timeout=1)
+        assert time.monotonic() - began < 15      # interrupted, not killed at 30 s
+        assert world.pids == pids
+        assert world.run(with_local_rank, (sleep_then, 0.0)) == [0, 1]
 
 
 def test_answers_to_a_call_given_up_on_are_never_the_next_calls():

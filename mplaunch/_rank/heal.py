@@ -184,6 +184,7 @@ def _collective_of(chain: List[BaseException]) -> Optional[str]:
 
 # -- rebuild ---------------------------------------------------------------------------
 
+@serve.uninterrupted
 def group_state() -> dict:
     """What the launching process compares across ranks after a failed run."""
     dist = sys.modules.get("torch.distributed")
@@ -195,6 +196,7 @@ def group_state() -> dict:
             "backend": dist.get_backend()}
 
 
+@serve.uninterrupted
 def rebuild(backend: Optional[str], n: int) -> List[str]:
     """Destroy the default group (if any) and build a new one with `backend` in key
     space `n`; the names (of __main__'s globals and rank_state()'s keys) of objects that

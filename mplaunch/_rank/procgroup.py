@@ -15,7 +15,7 @@ import sys
 from typing import Optional
 
 from .._wire.spec import uses_cuda
-from . import endpoints, torchapi
+from . import endpoints, serve, torchapi
 
 _ours = False   # the default group was made here, and is ours to end
 
@@ -29,6 +29,7 @@ def local_device(environ=os.environ) -> int:
     return int(environ.get("LOCAL_RANK", "0"))
 
 
+@serve.uninterrupted
 def setup(backend: Optional[str]) -> None:
     """init_process_group(backend) for this rank, on its own GPU when the backend uses
     CUDA. Nothing without a backend, or when the group exists already."""

@@ -97,10 +97,21 @@ def accept_interrupts(accepted: bool) -> None:
     _accepting = accepted
 
 
+UNINTERRUPTED = "__mplaunch_uninterrupted__"
+
+
+def uninterrupted(func):
+    """Mark `func` as one of mplaunch's own calls of a heal (the group's set-up, its
+    state, its rebuild): the call's window stays closed while it runs. Not every
+    function of mplaunch is: the plugin's test runner, a %%ranks cell or a reload runs
+    the user's code, which Ctrl-C must reach."""
+    setattr(func, UNINTERRUPTED, True)
+    return func
+
+
 def own_call(func) -> bool:
-    """`func` is one of mplaunch's own calls in a World's rank (_rank's set-up, group
-    state, rebuild), not a user's: its window stays closed."""
-    return (getattr(func, "__module__", None) or "").startswith(__package__ + ".")
+    """`func` was marked uninterrupted."""
+    return getattr(func, UNINTERRUPTED, False) is True
 
 
 def _on_sigint(signo, frame) -> None:
