@@ -42,7 +42,7 @@ _HOMES = {
     "SpawnContext": "._spawn",
     "Handle": "._handle",
     "World": "._world",
-    "rank_state": "._rank.serve",
+    "rank_state": "._rank.call_loop",
     "load_ipython_extension": "._magic",
     "unload_ipython_extension": "._magic",
     "WorkerError": ".errors",
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from ._launch import launch
     from ._spawn import SpawnContext, spawn
     from ._magic import load_ipython_extension, unload_ipython_extension
-    from ._rank.serve import rank_state
+    from ._rank.call_loop import rank_state
     from ._world import World
     from .errors import (LaunchTimeout, MainProcessError, MPLaunchError, RankFailure,
                          RemoteException, WorkerError)

@@ -1,8 +1,8 @@
 """mplaunch.World: ranks that stay up between calls, for notebooks and test suites.
 
 The front-end: it validates, takes one call at a time, and presents. The engine is
-_engine.serving.Serving (what Run is to launch()): it starts the ranks, drives each call
-to its replies with the loop launch() uses, and heals a failed call where it can
+_engine.world_engine.Serving (what Run is to launch()): it starts the ranks, drives each
+call to its replies with the loop launch() uses, and heals a failed call where it can
 (_engine.heal drives the call, _rank.heal is the ranks' side). One run() goes down to
 it and comes back once, with the results or the error to raise.
 """
@@ -15,13 +15,10 @@ import types
 import warnings
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVar
 
-import dataclasses
-import socket
-
-from ._engine.config import (DEFAULT_PREFIX, LaunchConfig, check_call,
-                             placement_args, seconds, validate)
+from ._engine.config import LaunchConfig, check_call, seconds, validate
 from ._engine.modwatch import ModuleWatch
-from ._engine.serving import NodesPlan, RankCalls, Serving
+from ._engine.nodes.plan import plan_nodes
+from ._engine.world_engine import RankCalls, Serving
 from ._rank import heal, procgroup, reloads
 from ._launch import from_here
 from ._wire.payload import dumps_payload
@@ -78,16 +75,15 @@ class World:
             raise TypeError(f"heal must be True (keep the ranks through a failed run) or "
                             f"False (tear them down), got {heal!r}")
         self.heal = heal
-        starter = options.pop("_starter", None)   # tests: agents started another way
-        self._made_with = (backend, dict(options), starter)   # for restart(nnodes=)
+        self._made_with = (backend, dict(options))   # for restart(nnodes=)
         self.cfg: LaunchConfig
         nodes = None
         if options.get("scheduler", 0) is None:
             del options["scheduler"]       # today's choice: SLURM when nnodes > 1
         scheduler = options.get("scheduler")
         if scheduler is not None or (nnodes is not None and nnodes != 1):
-            self.cfg, nodes = _across_nodes(nprocs, 1 if nnodes is None else nnodes,
-                                            backend, options, starter)
+            self.cfg, nodes = plan_nodes(procgroup.setup, nprocs,
+                                         1 if nnodes is None else nnodes, backend, options)
         else:
             self.cfg = validate(procgroup.setup, (backend,), nprocs,
                                 dict(options, backend=backend))
@@ -257,9 +253,9 @@ class World:
         if self._engine.nodes is None:
             raise ValueError("restart(nnodes=, nprocs=) re-forms a World across nodes; "
                              "make a new World to change a one-node World's size")
-        backend, options, starter = self._made_with
+        backend, options = self._made_with
         per_node = nprocs if nprocs is not None else self.nprocs
-        cfg, plan = _across_nodes(per_node, nnodes, backend, dict(options), starter)
+        cfg, plan = plan_nodes(procgroup.setup, per_node, nnodes, backend, options)
         self._engine.reform(cfg, plan)
         self.cfg = cfg
 
@@ -292,9 +288,6 @@ class World:
                  else "")
         return (f"<mplaunch.World nprocs={self.nprocs}{nodes} backend={self.backend!r} "
                 f"{state}>")
-
-
-NODES_PREFIX = "[{host} rank{rank}]: "
 
 
 def _replaced(who: str, name: str, why: str) -> str:
@@ -358,82 +351,6 @@ def _outside_mplaunch() -> int:
 
 
 _NOT_USERS = ("mplaunch", "IPython")
-
-
-SCHEDULERS = ("slurm", "ray")
-
-
-def _across_nodes(nprocs, nnodes, backend, options, starter):
-    """The configuration of a World of `nprocs` ranks on each of `nnodes` nodes of this
-    SLURM allocation (or Ray cluster), checked before anything starts."""
-    from ._engine.nodes import slurm_step as nodestep
-    scheduler = options.pop("scheduler", None)
-    ray_resources = options.pop("ray_resources", None)
-    if scheduler is not None and scheduler not in SCHEDULERS:
-        raise ValueError(f"scheduler must be 'slurm' (the nodes of this SLURM allocation) "
-                         f"or 'ray' (the Ray cluster this process is connected to), got "
-                         f"{scheduler!r}")
-    if ray_resources is not None and scheduler != "ray":
-        raise TypeError("ray_resources= is what each node's bundle reserves on Ray; it "
-                        "needs scheduler='ray'")
-    if ray_resources is not None and not (
-            isinstance(ray_resources, Mapping) and all(
-                isinstance(k, str) and isinstance(v, (int, float))
-                and not isinstance(v, bool) and v >= 0 for k, v in ray_resources.items())):
-        raise ValueError(f"ray_resources must map resource names to amounts >= 0, like "
-                         f"{{'CPU': 4, 'GPU': 4}}, got {ray_resources!r}")
-    if not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1:
-        raise ValueError(f"nnodes must be an int >= 1 (the nodes of this allocation the "
-                         f"World spans), got {nnodes!r}")
-    for name in ("node_rank", "nnodes"):
-        if options.get(name) is not None:
-            raise TypeError(f"World(nnodes=...) places its nodes itself; leave {name} out")
-    if nprocs is not None and (not isinstance(nprocs, int) or isinstance(nprocs, bool)
-                               or nprocs < 1):
-        # 'auto' too: it would count this machine's GPUs or CPUs, not each node's.
-        raise ValueError(f"World(nprocs={nprocs!r}, nnodes={nnodes}): nprocs is the number "
-                         f"of ranks on each node, an int >= 1 (World(2, nnodes={nnodes}) "
-                         f"has {2 * nnodes} ranks), or None: one per entry of gpus=, else 1")
-    if options.get("start_method") == "fork":
-        raise ValueError("start_method='fork' cannot start ranks on other nodes; each "
-                         "node's agent starts its ranks with 'forkserver' (the default) "
-                         "or 'spawn'")
-    if options.get("stdin_rank") not in (None, 0):
-        raise ValueError("across nodes no rank reads this terminal; leave stdin_rank out")
-    gpus, cpus = placement_args(options.get("gpus"), options.get("cpus"))
-    if nprocs is None and isinstance(gpus, (list, tuple)):
-        nprocs = len(gpus)
-    address = options.pop("master_addr", None)
-    if scheduler == "ray" and starter is None:
-        from ._engine.nodes import ray_step
-        bundle = ray_step.bundle_for(nprocs or 1, gpus, ray_resources)
-        ray_step.connect()
-        ray_step.check_cluster(nnodes, bundle)
-        starter = ray_step.starter(bundle)
-        address = address or ray_step.driver_address()
-    elif starter is None:
-        nodestep.check_allocation(nnodes)
-    address = address or _this_host_address()
-    if options.get("prefix", DEFAULT_PREFIX) == DEFAULT_PREFIX:
-        options["prefix"] = NODES_PREFIX
-    # Each node places its own ranks on its own GPUs and CPUs (its agent, at start): this
-    # machine's, which may have none (a Ray head pod, a login node), are not asked.
-    cfg = validate(procgroup.setup, (backend,), nprocs,
-                   dict(options, backend=backend, stdin_rank=None, master_addr=address,
-                        gpus=None, cpus=None))
-    cfg = dataclasses.replace(cfg, nnodes=nnodes, node_rank=0)
-    return cfg, NodesPlan(nnodes, address, gpus, cpus, starter, options.get("env"))
-
-
-def _this_host_address() -> str:
-    """The address the nodes reach this process at: its host name's."""
-    host = socket.gethostname()
-    try:
-        return socket.gethostbyname(host)
-    except OSError as exc:
-        raise ValueError(f"this host's name {host!r} does not resolve ({exc}); give "
-                         "master_addr= an address of this machine that every node of "
-                         "the allocation reaches") from None
 
 
 @atexit.register

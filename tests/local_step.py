@@ -1,25 +1,51 @@
-"""A stand-in for the World's srun step, for tests without SLURM: one process that
-starts one agent per "node" on this machine (MPLAUNCH_NODE_INDEX=i), waits for them,
-and passes SIGTERM on, as srun does for its tasks. `wrap` runs each agent through a
-command prefix (e.g. ``ip netns exec NAME``), to give each node its own address."""
+"""A stand-in scheduler for tests without SLURM or Ray: scheduler="local" starts one
+agent per "node" on this machine, as children of one step process that hands each its
+index (MPLAUNCH_NODE_INDEX=i), waits for them, and passes SIGTERM on, as srun does for
+its tasks. It goes through the seam every scheduler does (_engine.nodes.schedulers):
+importing this module registers it. ``local_wrap=`` (its own World option) runs each
+agent through a command prefix (``wrap(i)``, e.g. ``ip netns exec NAME``) to give each
+node its own address."""
 import os
 import signal
 import subprocess
 import sys
 
 
-def starter(wrap=None):
-    """A World(_starter=...) that starts the agents as children of one step process."""
-    from mplaunch._engine.nodes.slurm_step import ProcessStep
+class Local:
+    name = "local"
+    about = "agents on this machine, one per stand-in node (mplaunch's tests)"
+    options = ("local_wrap",)
 
-    def start(agent_argv, env, nnodes, output):
-        prefixes = [list(wrap(i)) if wrap else [] for i in range(nnodes)]
-        argv = [sys.executable, __file__, repr(prefixes), *agent_argv]
-        return ProcessStep(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
-                                            stdout=output, stderr=output,
+    def __init__(self):
+        self.wrap = None
+
+    def check(self, nnodes, nprocs, gpus, options):
+        self.wrap = options.get("local_wrap")
+        if self.wrap is not None and not callable(self.wrap):
+            raise TypeError(f"local_wrap must be callable, got {self.wrap!r}")
+
+    def address(self):
+        return None
+
+    def start(self, launch):
+        from mplaunch._engine.nodes.agents import ProcessStep
+        prefixes = [list(self.wrap(i)) if self.wrap else [] for i in range(launch.nnodes)]
+        argv = [sys.executable, __file__, repr(prefixes), *launch.argv]
+        return ProcessStep(subprocess.Popen(argv, env=launch.env, stdin=subprocess.DEVNULL,
+                                            stdout=launch.output, stderr=launch.output,
                                             start_new_session=True),
-                           f"tests/local_step.py: {nnodes} local agent(s)")
-    return start
+                           f"tests/local_step.py: {launch.nnodes} local agent(s)")
+
+    def node_environ(self, agent_environ):
+        return dict(agent_environ)
+
+
+def register(name="local", scheduler=Local):
+    """Register `scheduler` (a class offering the seam) under `name`."""
+    from mplaunch._engine.nodes import schedulers
+    if scheduler.name != name:
+        scheduler = type(scheduler.__name__, (scheduler,), {"name": name})
+    schedulers.register(name, scheduler, replace=True)
 
 
 def main():
@@ -42,3 +68,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+else:
+    register()

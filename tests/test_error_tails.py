@@ -200,7 +200,7 @@ def _assert_released_lines(err_text, ranks, how, line):
         assert len(relayed) == 1, (rank, err_text)
         assert relayed[0].startswith(f"[mplaunch] rank {rank}: {how} {where}"), relayed
     assert "KeyboardInterrupt" not in err_text and "GLHF" not in err_text, err_text
-    assert "serve.py" not in err_text, err_text
+    assert "call_loop.py" not in err_text, err_text
 
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])

@@ -14,7 +14,7 @@ import time
 import pytest
 
 import mplaunch
-from mplaunch._engine import serving
+from mplaunch._engine import world_engine as serving
 
 
 # -- in the ranks -------------------------------------------------------------------------

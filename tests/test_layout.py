@@ -340,7 +340,7 @@ def test_the_payloads_of_launch_and_world_load_nothing_of_the_launching_side(sta
     with mplaunch.World(nprocs=2, start_method=start_method) as world:
         world.run(lambda: None)
         for loaded in world.run(_loaded):
-            assert "mplaunch._rank.serve" in loaded
+            assert "mplaunch._rank.call_loop" in loaded
             assert _launching_side(loaded) == [], loaded
 
 
@@ -374,8 +374,8 @@ def test_the_interrupt_guard_knows_mplaunchs_plumbing_by_the_modules_own_word(mo
     import importlib
     import types
 
-    from mplaunch._rank import serve
-    plumbing = ["mplaunch._rank.serve", "mplaunch._rank.worker", "mplaunch._rank.streams",
+    from mplaunch._rank import call_loop as serve
+    plumbing = ["mplaunch._rank.call_loop", "mplaunch._rank.worker", "mplaunch._rank.streams",
                 "mplaunch._wire.channel", "mplaunch._wire.linux", "mplaunch._wire.messages"]
     for name in plumbing:
         assert getattr(importlib.import_module(name), serve.PLUMBING, False) is True, name

@@ -10,7 +10,7 @@ import time
 import pytest
 
 import mplaunch
-from mplaunch._engine.nodes.slurm import first_host, layout
+from mplaunch._engine.tasks.slurm import first_host, layout
 
 NODE = os.path.join(os.path.dirname(__file__), "scripts_nodes", "node.py")
 

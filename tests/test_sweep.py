@@ -146,7 +146,7 @@ def test_a_pickle_written_into_the_store_runs_no_code(tmp_path):
 
 
 def test_node_reports_travel_as_json_and_are_signed_with_a_token(monkeypatch):
-    from mplaunch._engine.nodes.sync import decode_report, encode_report
+    from mplaunch._engine.tasks.sync import decode_report, encode_report
     from mplaunch._wire.messages import Raised
     from mplaunch.errors import RankFailure
     f = RankFailure(rank=3, local_rank=1, node_rank=1, hostname="h", pid=12, exitcode=1,

@@ -312,7 +312,7 @@ def test_the_node_watch_finds_keys_without_tcpstore_check():
 
     from torch.distributed import TCPStore
 
-    from mplaunch._engine.nodes import sync as nodes
+    from mplaunch._engine.tasks import sync as nodes
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -1,18 +1,17 @@
-"""A node's agent in a World across nodes: started once per node by the World's one
-SLURM step, or by the World's actor on that Ray node (``python -m
-mplaunch._agent.agent``), it connects back to the launching
+"""A node's agent in a World across nodes: started once per node by the World's
+scheduler (``python -m mplaunch._agent.agent``: _engine.nodes.schedulers), it connects back to the launching
 process, proves it holds the World's secret (_wire.auth), and then starts, signals and
 reaps that node's ranks from a warm server of its own, as the launching process does on
 one node. Each rank's fds (its result channel, output pipes and stack socket) end here,
 and travel to the launching process as frames on the one connection (_wire.tunnel),
-where _engine.nodes.remote turns them back into fds: the launching process drives remote
+where _engine.nodes.hub turns them back into fds: the launching process drives remote
 ranks with the code that drives local ones.
 
 The agent runs only what an authenticated launching process sends; it reads its
 address and the secret from its environment (MPLAUNCH_WORLD_ADDR, MPLAUNCH_WORLD_SECRET;
-on Ray the secret comes down its stdin instead), removes the secret from it before
+or the secret comes down its stdin, where the scheduler says so), removes the secret from it before
 anything starts, and ends, with every rank it started, when the connection ends (or
-the Ray actor that started it does): nothing of it outlives the World.
+the process that started it does, where the scheduler names one): nothing of it outlives the World.
 """
 from __future__ import annotations
 
@@ -34,25 +33,31 @@ from .._wire.spec import for_this_node
 
 log = logging.getLogger("mplaunch.agent")
 ADDR_ENV, NODE_ENV, NAME_ENV = tunnel.ADDR_ENV, tunnel.NODE_ENV, tunnel.NAME_ENV
+NODE_FROM_ENV = tunnel.NODE_FROM_ENV
 SECRET_STDIN_ENV, PARENT_ENV = tunnel.SECRET_STDIN_ENV, tunnel.PARENT_ENV
 CWD_ENV = tunnel.CWD_ENV
 
 
+def _given(what: int, environ) -> Optional[str]:
+    """What the scheduler handed this agent: NODE_ENV / NAME_ENV themselves, else the
+    variable NODE_FROM_ENV names for them ("INDEX_VAR:NAME_VAR")."""
+    value = environ.get((NODE_ENV, NAME_ENV)[what])
+    if value:
+        return value
+    named = environ.get(NODE_FROM_ENV, "").split(":")
+    return environ.get(named[what]) if len(named) == 2 and named[what] else None
+
+
 def node_index(environ=os.environ) -> int:
-    """This agent's node: given by whoever started it, else SLURM's node id in the step
-    (one task per node), else its task id."""
-    for name in (NODE_ENV, "SLURM_NODEID", "SLURM_PROCID"):
-        value = environ.get(name)
-        if value is not None and value.isdigit():
-            return int(value)
-    return 0
+    """This agent's node, as its scheduler handed it (0 if it did not)."""
+    value = _given(0, environ)
+    return int(value) if value is not None and value.isdigit() else 0
 
 
 def node_name(environ=os.environ) -> str:
-    """What the output prefix and errors call this node: given by whoever started the
-    agent (on Ray, the node's id), else SLURM's node name, else the host name."""
-    return (environ.get(NAME_ENV) or environ.get("SLURMD_NODENAME")
-            or socket.gethostname())
+    """What the output prefix and errors call this node: as its scheduler handed it
+    (on Ray, the node's id), else the host name."""
+    return _given(1, environ) or socket.gethostname()
 
 
 class _Rank:

@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence
 from .config import LaunchConfig
 from .ending import Ending, EndKind, decide
 from .group import RankGroup
-from .nodes.sync import POLL_INTERVAL, NodeLost, NodeSync, NodeWatch
+from .tasks.sync import POLL_INTERVAL, NodeLost, NodeSync, NodeWatch
 from .outcome import first_error, local_failures
 from .signals import Waker
 from .timeouts import collect_stacks

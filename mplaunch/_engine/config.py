@@ -21,7 +21,7 @@ from . import devices
 from .checks import (check_backend, check_nprocs_limit, cuda_initialized, log_dir,
                      working_directory)
 from .env import allowed_cpus, cpu_count, rank_env, user_env_for
-from .nodes.slurm import layout as slurm_layout
+from .tasks.slurm import layout as slurm_layout
 from .terminal import check_stdin_rank
 from .._wire.spec import RankSpec, Script
 

@@ -103,7 +103,7 @@ class RankGroup:
 
     def replace(self, index: int, payload_fd: int) -> RankState:
         """A fresh process for a dead rank, by the path that started it (a healing World:
-        _engine.serving); its first call is the payload in `payload_fd`. The old one's
+        _engine.world_engine); its first call is the payload in `payload_fd`. The old one's
         last output is relayed and its fds closed. Returns once it has a pid."""
         old = self.ranks[index]
         _relay_pending(old, end_line=False)   # all there is: the writer is dead

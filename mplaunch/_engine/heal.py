@@ -21,7 +21,7 @@ SIGINT, the deadline passed):
 A rank that dies is an answer too. SIGTERM/SIGHUP/SIGQUIT, a second SIGINT, or stop()
 tear down as today.
 What happens once every rank has answered (compare the groups' sequence numbers,
-rebuild, replace) is _engine.serving's.
+rebuild, replace) is _engine.world_engine's.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ class RankState:
         self.result = None
         self.error = None       # the Raised message the rank sent (_wire.messages)
         # The __main__ names it kept over the caller's values (KeptGlobals), not yet
-        # taken by the front-end (a World's: _engine.serving)
+        # taken by the front-end (a World's: _engine.world_engine)
         self.kept_globals: tuple = ()
         # Calls it was given (its first payload is one) and answers it sent: a rank
         # answers each call once, in order, so an answer that arrives while it still

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Union
 from . import signals
 from .attempt import Attempt
 from .config import LaunchConfig
-from .nodes.sync import NodeWatch
+from .tasks.sync import NodeWatch
 from .outcome import results_or_raise
 from .session import Session
 from .timeouts import collect_stacks

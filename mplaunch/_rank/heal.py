@@ -1,7 +1,7 @@
 """The rank's side of a healing World: releasing a collective left half-done, the
 group's state after a failed call, and rebuilding the group (in a new key space of the
 rendezvous: see _rank.rendezvous). Setting the group up and tearing it down is
-_rank.procgroup's; the launching side of a heal is _engine.heal and _engine.serving.
+_rank.procgroup's; the launching side of a heal is _engine.heal and _engine.world_engine.
 
 Release. A gloo collective waiting for a peer that will never send blocks in C for the
 group's timeout (30 min), and neither ``abort()`` (a no-op for gloo) nor a signal reaches
@@ -26,7 +26,7 @@ from typing import List, Optional
 
 from .._wire import stacks
 from .._wire.messages import LOST_PEER, RELEASE_SIGNAL
-from . import endpoints, rendezvous, serve, torchapi
+from . import call_loop as serve, endpoints, rendezvous, torchapi
 
 
 # -- release ---------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def stale_holders() -> List[str]:
     except ImportError:
         return []
     kinds = (DistributedDataParallel, ProcessGroup)
-    from .serve import rank_state
+    from .call_loop import rank_state
     names = []
     main = sys.modules.get("__main__")
     for where, space in (("", getattr(main, "__dict__", {})),

@@ -15,7 +15,7 @@ import sys
 from typing import Optional
 
 from .._wire.spec import uses_cuda
-from . import endpoints, serve, torchapi
+from . import call_loop as serve, endpoints, torchapi
 
 _ours = False   # the default group was made here, and is ours to end
 

@@ -25,7 +25,7 @@ import time
 
 from .._wire import linux
 
-# mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.serve)
+# mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.call_loop)
 __mplaunch_plumbing__ = True
 
 

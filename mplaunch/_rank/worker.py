@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-from . import cells, collectives, heal, procgroup, rendezvous, serve as serving, streams
+from . import cells, collectives, heal, procgroup, rendezvous, call_loop as serving, streams
 # Imported here, not when first used: the server imports this module before it forks
 # any rank (a forked rank finds them loaded), and every rank needs them.
 from .._wire import buffers, linux, mainglobals, mainmod, payload as wire_payload
@@ -25,7 +25,7 @@ from .._wire.messages import (EXIT_CHANNEL_CLOSED, EXIT_ERROR, EXIT_PARENT_GONE,
                               MESSAGE_TAG, RESULT_TAG, STACK_SIGNAL, KeptGlobals, Raised,
                               Returned)
 
-# mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.serve)
+# mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.call_loop)
 __mplaunch_plumbing__ = True
 
 

@@ -1,5 +1,5 @@
 """The per-World secret that every connection between a launching process and its
-node agents proves it holds (a World across nodes: _engine.nodes.remote, _agent.agent).
+node agents proves it holds (a World across nodes: _engine.nodes.hub, _agent.agent).
 
 A challenge-response in both directions, before either side reads anything else: each
 side sends a random nonce, and answers the other's with an HMAC-SHA256 of both nonces

@@ -16,7 +16,7 @@ import struct
 
 from .linux import close_quiet
 
-# mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.serve)
+# mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.call_loop)
 __mplaunch_plumbing__ = True
 
 _HEADER = struct.Struct("!QQ")

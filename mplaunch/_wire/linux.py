@@ -9,7 +9,7 @@ import socket
 import time
 from typing import Dict, Optional, Tuple
 
-# mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.serve)
+# mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.call_loop)
 __mplaunch_plumbing__ = True
 
 PR_SET_PDEATHSIG = 1

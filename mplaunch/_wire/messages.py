@@ -28,7 +28,7 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from .spec import RankSpec
 
-# mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.serve)
+# mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.call_loop)
 __mplaunch_plumbing__ = True
 
 # Sent by the launching process to ask a rank for its Python stack: faulthandler answers

@@ -25,13 +25,15 @@ from .channel import send_framed
 __mplaunch_plumbing__ = True
 
 # What an agent reads from its environment, set by whoever starts it (the World's
-# SLURM step, or its Ray actor): where the launching process listens, its node's index
-# and name, whether the secret comes down stdin instead of MPLAUNCH_WORLD_SECRET, a
+# scheduler: _engine.nodes.schedulers): where the launching process listens, its node's
+# index and name (or, where every node's agent is given the same environment, which of
+# the variables its scheduler sets per node hold them: "INDEX_VAR:NAME_VAR"), whether the secret comes down stdin instead of MPLAUNCH_WORLD_SECRET, a
 # process it ends with (the Ray actor), and a working directory its ranks start in
 # whatever the launching process's is (the Ray job's runtime_env working_dir).
 ADDR_ENV = "MPLAUNCH_WORLD_ADDR"
 NODE_ENV = "MPLAUNCH_NODE_INDEX"
 NAME_ENV = "MPLAUNCH_NODE_NAME"
+NODE_FROM_ENV = "MPLAUNCH_NODE_FROM"
 SECRET_STDIN_ENV = "MPLAUNCH_WORLD_SECRET_STDIN"
 PARENT_ENV = "MPLAUNCH_AGENT_PARENT"
 CWD_ENV = "MPLAUNCH_NODE_CWD"

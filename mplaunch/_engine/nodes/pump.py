@@ -163,7 +163,7 @@ class Pump:
 
     def _on_link(self, link) -> None:
         # `reading`/`heard`: the agent is alive and talking, however long a frame takes
-        # (a large result), which the liveness checks (_engine.nodes.remote) allow for.
+        # (a large result), which the liveness checks (_engine.nodes.hub) allow for.
         link.reading = True
         try:
             frame = tunnel.recv(link.sock)

@@ -2,7 +2,7 @@
 bundle per node (STRICT_SPREAD: never two on one node), and in each bundle one small
 actor that starts that node's agent (_agent.agent, the process SLURM's step starts) and
 reports its end. The agents then connect back and prove the secret exactly as on SLURM
-(_engine.nodes.remote.Hub): from there on, nothing of the World goes through Ray.
+(_engine.nodes.hub.Hub): from there on, nothing of the World goes through Ray.
 
 Where the secret goes: not in an actor's constructor arguments, nor in a runtime_env
 (Ray keeps both in its GCS, where any client of the cluster can read them: see
@@ -22,9 +22,10 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from .slurm_step import AGENT_MODULE, NodesError
+from .agents import AGENT_MODULE, NodesError
+from .schedulers import AgentLaunch
 from ..._wire import auth, tunnel
 
 log = logging.getLogger("mplaunch")
@@ -183,8 +184,7 @@ def _actor_class():
 
 class RayStep:
     """A World's placement group and agent actors: what a SLURM step is to a World
-    there; the Hub asks of it what it asks of slurm_step.ProcessStep (poll, returncode,
-    command, watch, end)."""
+    there; the Hub asks of it what it asks of every step (schedulers.Step)."""
 
     def __init__(self, nnodes: int, bundle: Dict[str, float], output):
         self.nnodes = nnodes
@@ -321,20 +321,6 @@ class RayStep:
         self.waits = []
 
 
-def starter(bundle: Dict[str, float]):
-    """A Hub starter (remote.Hub(starter=)) that places the World's agents on Ray."""
-    def start(agent_argv: Sequence[str], env: Dict[str, str], nnodes: int, output):
-        step = RayStep(nnodes, bundle, output)
-        try:
-            step.start(env[tunnel.ADDR_ENV], env[auth.SECRET_ENV])
-        except BaseException:
-            step.end(0.0)
-            raise
-        return step
-    start.scheduler = "ray"
-    return start
-
-
 def driver_address() -> str:
     """This process's address as the cluster's nodes reach it (Ray's node address)."""
     ray = _ray()
@@ -342,3 +328,48 @@ def driver_address() -> str:
         return ray.util.get_node_ip_address()
     except Exception:  # noqa: BLE001
         return "127.0.0.1"
+
+
+class Ray:
+    """The nodes of the Ray cluster this process is connected to: one placement group,
+    an agent actor in each bundle."""
+    name = "ray"
+    about = "the Ray cluster this process is connected to"
+    options = ("ray_resources",)
+
+    def __init__(self):
+        self.bundle: Dict[str, float] = {}
+
+    def check(self, nnodes: int, nprocs: Optional[int], gpus: Any,
+              options: Mapping[str, Any]) -> None:
+        resources = options.get("ray_resources")
+        if resources is not None and not (
+                isinstance(resources, Mapping) and all(
+                    isinstance(k, str) and isinstance(v, (int, float))
+                    and not isinstance(v, bool) and v >= 0
+                    for k, v in resources.items())):
+            raise ValueError(f"ray_resources must map resource names to amounts >= 0, "
+                             f"like {{'CPU': 4, 'GPU': 4}}, got {resources!r}")
+        self.bundle = bundle_for(nprocs or 1, gpus, resources)
+        connect()
+        check_cluster(nnodes, self.bundle)
+
+    def address(self) -> Optional[str]:
+        return driver_address()
+
+    def start(self, launch: AgentLaunch) -> RayStep:
+        """The placement group and its actors; each actor hands its agent the node's
+        index and Ray's node id (RayStep.start)."""
+        step = RayStep(launch.nnodes, self.bundle, launch.output)
+        try:
+            step.start(launch.address, launch.secret)
+        except BaseException:
+            step.end(0.0)
+            raise
+        return step
+
+    def node_environ(self, agent_environ: Mapping[str, str]) -> Dict[str, str]:
+        return dict(agent_environ)
+
+
+SCHEDULER = Ray

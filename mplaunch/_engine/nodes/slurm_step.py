@@ -1,26 +1,26 @@
-"""Starting and ending a World's one step of node agents (_agent.agent): where SLURM
-is asked for it, how the launching process listens for the agents."""
+"""SLURM as a World's scheduler: the nodes of the allocation this process runs in, one
+srun step with one agent per node. Its variables are read here and nowhere else of the
+World across nodes (the env table below): the agent is told which of them name its node.
+"""
 from __future__ import annotations
 
 import logging
 import os
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
-import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from .. import servers, store
+from .agents import ProcessStep
+from .schedulers import AgentLaunch
+from ..._wire import tunnel
 
 log = logging.getLogger("mplaunch")
 
-AGENT_MODULE = "mplaunch._agent.agent"
-
-
-class NodesError(RuntimeError):
-    """The World's nodes could not be started or reached."""
+# What SLURM sets in each task of a step, that the agent reads for its node's index
+# and name (one task per node), and what the allocation is.
+ENV = {"index": "SLURM_NODEID", "name": "SLURMD_NODENAME", "job": "SLURM_JOB_ID",
+       "step": "SLURM_STEP_ID", "job_name": "SLURM_JOB_NAME"}
 
 
 # -- starting the step -------------------------------------------------------------------
@@ -80,102 +80,61 @@ def job_cpus_per_node(environ=os.environ) -> Optional[int]:
     return int(here) if here.isdigit() else None
 
 
-class ProcessStep:
-    """A step of node agents that is one process on this machine: srun (or a test's
-    stand-in for it). What a Hub asks of any step (ray_step.RayStep is the other):
-    ``poll()`` and ``returncode`` (the step ended before every agent joined?),
-    ``command`` (named in errors), ``watch(on_end)`` (a scheduler that learns of a lost
-    node by itself calls ``on_end(index, why)``; srun tells nothing the agents'
-    connections do not) and ``end(grace, nodes)``."""
-
-    def __init__(self, proc: subprocess.Popen, command: str):
-        self.proc = proc
-        self.command = command
-
-    @property
-    def returncode(self) -> Optional[int]:
-        return self.proc.returncode
-
-    def poll(self) -> Optional[int]:
-        return self.proc.poll()
-
-    def watch(self, on_end) -> None:
-        """Nothing to watch: a node lost is known by its agent's connection."""
-
-    def end(self, grace: float, nodes: Sequence = ()) -> None:
-        """End the step (end_step); `nodes` (the Hub's NodeInfo) say its SLURM id."""
-        end_step(self.proc, grace, slurm_step_id(node.environ for node in nodes))
-
-
 def slurm_step_id(environs) -> Optional[str]:
     """"JOB.STEP" of the agents' SLURM step, from their environments (None outside one)."""
     for env in environs:
-        if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID"):
-            return f"{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
+        if env.get(ENV["job"]) and env.get(ENV["step"]):
+            return f"{env[ENV['job']]}.{env[ENV['step']]}"
     return None
 
 
-def start_srun_step(agent_argv: Sequence[str], env: Dict[str, str], nnodes: int,
-                    output) -> ProcessStep:
-    """The default way of starting the agents: one srun step, in a session of its own
-    (a Ctrl-C at the terminal is the launching process's to handle; a second one would
-    make srun cancel the step)."""
-    argv = srun_argv(nnodes, agent_argv, env)
-    return ProcessStep(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
-                                        stdout=output, stderr=output,
-                                        start_new_session=True), shlex.join(argv))
+def cancel_step(nodes: Sequence) -> bool:
+    """End a step still there after its connections ended (an agent frozen, or cut
+    off): ``scancel JOB.STEP`` (slurmstepd kills every process of the step, on every
+    node, stopped ones included). False where it cannot."""
+    step_id = slurm_step_id(node.environ for node in nodes)
+    if step_id is None or shutil.which("scancel") is None:
+        return False
+    log.warning("mplaunch: the World's step %s did not end with its connections; "
+                "cancelling it", step_id)
+    for argv in (["scancel", "--signal=KILL", step_id], ["scancel", step_id]):
+        subprocess.run(argv, timeout=10, stdin=subprocess.DEVNULL, capture_output=True)
+    return True
 
 
-def end_step(step: subprocess.Popen, grace: float, step_id: Optional[str] = None) -> None:
-    """The agents end when their connection does, and the step with them. A step still
-    there after `grace` (an agent frozen, or cut off) is cancelled by SLURM
-    (``scancel JOB.STEP``: slurmstepd kills every process of the step, on every node,
-    stopped ones included), then srun is ended."""
-    try:
-        step.wait(grace)
-        return
-    except subprocess.TimeoutExpired:
-        pass
-    if step_id is not None and shutil.which("scancel"):
-        log.warning("mplaunch: the World's step %s did not end with its connections; "
-                    "cancelling it", step_id)
-        try:
-            subprocess.run(["scancel", "--signal=KILL", step_id], timeout=10,
-                           stdin=subprocess.DEVNULL, capture_output=True)
-            subprocess.run(["scancel", step_id], timeout=10,
-                           stdin=subprocess.DEVNULL, capture_output=True)
-            step.wait(grace)
-            return
-        except (subprocess.TimeoutExpired, OSError):
-            pass
-    for signo, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            step.send_signal(signo)
-            step.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
-            return
-    log.warning("mplaunch: the World's srun step (pid %d) did not end", step.pid)
+class Slurm:
+    """The nodes of this SLURM allocation, started as one srun step."""
+    name = "slurm"
+    about = "the nodes of this SLURM allocation"
+    options = ()
+
+    def check(self, nnodes: int, nprocs: Optional[int], gpus: Any,
+              options: Mapping[str, Any]) -> None:
+        check_allocation(nnodes)
+
+    def address(self) -> Optional[str]:
+        return None
+
+    def start(self, launch: AgentLaunch) -> ProcessStep:
+        """One srun step, in a session of its own (a Ctrl-C at the terminal is the
+        launching process's to handle; a second one would make srun cancel the step);
+        each agent is told which of SLURM's variables name its node."""
+        env = dict(launch.env)
+        env[tunnel.NODE_FROM_ENV] = f"{ENV['index']}:{ENV['name']}"
+        argv = srun_argv(launch.nnodes, launch.argv, env)
+        return ProcessStep(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                                            stdout=launch.output, stderr=launch.output,
+                                            start_new_session=True),
+                           shlex.join(argv), cancel_step)
+
+    def node_environ(self, agent_environ: Mapping[str, str]) -> Dict[str, str]:
+        """The agent's, with the job's name as this process sees it (the step's
+        ``--job-name`` is mplaunch's, not the job's; Lightning reads it to tell an
+        interactive allocation)."""
+        base = dict(agent_environ)
+        if ENV["job_name"] in os.environ:
+            base[ENV["job_name"]] = os.environ[ENV["job_name"]]
+        return base
 
 
-def listen(address: str) -> socket.socket:
-    """The port the World's agents connect to, bound as the store's is (store.bind)."""
-    try:
-        sock = store.bind(address, 0)
-    except OSError as exc:
-        raise NodesError(f"cannot listen on {address!r} for the World's node agents: "
-                         f"{exc}; give master_addr= an address of this machine that the "
-                         "nodes reach") from None
-    servers.own_socket(sock)
-    return sock
-
-
-def agent_argv() -> List[str]:
-    """What each task of the step runs: this interpreter, as an agent."""
-    return [sys.executable, "-m", AGENT_MODULE]
-
-
-def join_addr(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+SCHEDULER = Slurm

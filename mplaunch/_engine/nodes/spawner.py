@@ -1,5 +1,5 @@
 """RemoteSpawner: the spawner (_engine.spawners' seam) of a group whose ranks live on a
-World's nodes (_engine.nodes.remote.Hub): it starts, signals and reaps them through the nodes'
+World's nodes (_engine.nodes.hub.Hub): it starts, signals and reaps them through the nodes'
 agents, and hands their reports (started, exited, a lost node) to the group in the
 group's own thread, through a queue and a pipe on its selector.
 
@@ -21,7 +21,7 @@ from typing import Dict, List, Sequence
 from .. import servers
 from ..config import LaunchConfig
 from .pump import _Proxy
-from .remote import Hub, Link
+from .hub import Hub, Link
 from ..._wire import tunnel
 from ..._wire.spec import RankSpec
 

@@ -1,5 +1,5 @@
 """Serving: a World's engine, what Run is to launch(). Ranks started once that serve
-calls (_rank.serve) instead of running one function and exiting; each call driven to
+calls (_rank.call_loop) instead of running one function and exiting; each call driven to
 its replies by the loop launch() uses, so failures, timeouts, signals, output and
 teardown behave as for launch().
 
@@ -19,14 +19,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Union
 
 from . import servers, signals
 from .attempt import Attempt
-from .nodes import remote, spawner as nodespawner
+from .nodes import hub as remote, spawner as nodespawner
+from .nodes.plan import NodesPlan
 from .config import LaunchConfig, node_user_envs, rank_specs, with_streams
 from .heal import CallDriver, consequences_last, what_was_kept
 from .outcome import error_for, results_or_raise
@@ -40,19 +40,6 @@ from .._wire.stacks import RankStacks
 from ..errors import MainProcessError
 
 log = logging.getLogger("mplaunch")
-
-
-@dataclass(frozen=True)
-class NodesPlan:
-    """A World across nodes: `nnodes` agents started by `starter` (one SLURM step by
-    default: _engine.nodes.remote), reaching this process at `address`; `gpus` and `cpus`
-    are the placement each node applies to its own ranks."""
-    nnodes: int
-    address: str
-    gpus: object = None
-    cpus: object = None
-    starter: Optional[Callable] = None
-    env: object = None            # env=: a callable is called for each node's ranks
 
 
 @dataclass(frozen=True)
@@ -73,7 +60,7 @@ class Serving:
                  calls: RankCalls, nodes: Optional[NodesPlan] = None):
         self.cfg = cfg
         self.nodes = nodes
-        self.hub = None               # a World across nodes: its agents (_engine.nodes.remote)
+        self.hub = None               # a World across nodes: its agents (_engine.nodes.hub)
         self.backend = backend
         self.heal = heal
         self.calls = calls
@@ -158,7 +145,7 @@ class Serving:
         if hub is None:
             plan = self.nodes
             hub = remote.Hub(plan.nnodes, plan.address, self.cfg, plan.gpus, plan.cpus,
-                             plan.starter).start()
+                             plan.scheduler).start()
             self.hub = hub
         return hub
 
@@ -172,7 +159,8 @@ class Serving:
                 self.cfg, node_rank=info.index, gpus=info.gpus, cpus=info.placed_cpus,
                 user_envs=node_user_envs(self.nodes.env, info.index, self.cfg.nprocs))
             specs += rank_specs(cfg, self._generation, hosted.port, hosted.address,
-                                serve=True, base=_node_base(info.environ), host=info.name)
+                                serve=True, host=info.name,
+                                base=self.nodes.scheduler.node_environ(info.environ))
         return specs
 
     @property
@@ -370,16 +358,6 @@ def _disagree(states: list) -> bool:
         for name, seq in s.get("subgroups", {}).items():
             counts.setdefault(name, set()).add(seq)
     return any(len(seqs) > 1 for seqs in counts.values())
-
-
-def _node_base(environ: dict) -> dict:
-    """A node's environment for its ranks: its agent's, with the job's name as the
-    launching process sees it (the step's ``--job-name`` is mplaunch's, not the job's;
-    Lightning reads it to tell an interactive allocation)."""
-    base = dict(environ)
-    if "SLURM_JOB_NAME" in os.environ:
-        base["SLURM_JOB_NAME"] = os.environ["SLURM_JOB_NAME"]
-    return base
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """The launching side of a World across nodes: its one step of node agents
-(_agent.agent, started by _engine.nodes.slurm_step), the authenticated connection to each
+(_agent.agent, started by the World's scheduler: _engine.nodes.schedulers), the
+authenticated connection to each
 (_wire.auth, _wire.tunnel); RemoteSpawner (_engine.nodes.spawner), the spawner
 that starts, signals and reaps ranks through them, uses it.
 
@@ -19,11 +20,12 @@ import socket
 import tempfile
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 from ..config import LaunchConfig
 from .pump import Pump
-from .slurm_step import NodesError, agent_argv, join_addr, listen, start_srun_step
+from .agents import NodesError, agent_argv, join_addr, listen
+from .schedulers import AgentLaunch, Scheduler, Step
 from ..._wire import auth, tunnel
 
 log = logging.getLogger("mplaunch")
@@ -76,20 +78,19 @@ class Link:
 class Hub:
     """A World's nodes: the step of agents, one authenticated link to each, and the pump
     thread. Lives as long as the World (a heal or a replaced rank reuses it); closed,
-    it ends the step and leaves nothing running on any node. `starter(agent_argv, env,
-    nnodes, output)` starts the step: one srun (slurm_step.ProcessStep) by default, a
-    placement group of actors on Ray (ray_step.RayStep); the Hub asks the same of both."""
+    it ends the step and leaves nothing running on any node. The World's `scheduler`
+    (schedulers.Scheduler) starts the step; the Hub asks the same of every one."""
 
     def __init__(self, nnodes: int, address: str, cfg: LaunchConfig, gpus, cpus,
-                 starter: Optional[Callable] = None, join_timeout: float = JOIN_TIMEOUT):
+                 scheduler: Scheduler, join_timeout: float = JOIN_TIMEOUT):
         self.nnodes = nnodes
         self.address = address
         self.cfg = cfg
         self.placement_args = (gpus, cpus)
-        self.starter = starter or start_srun_step
+        self.scheduler = scheduler
         self.join_timeout = join_timeout
         self.links: List[Link] = []
-        self.step = None     # slurm_step.ProcessStep, ray_step.RayStep
+        self.step: Optional[Step] = None
         self._step_log = None
         self.pump: Optional[Pump] = None
         self.spawner = None  # the current group's (_engine.nodes.spawner), hears reports
@@ -114,7 +115,9 @@ class Hub:
             env[tunnel.ADDR_ENV] = join_addr(self.address, port)
             env.pop(tunnel.NODE_ENV, None)
             self._step_log = tempfile.TemporaryFile(prefix="mplaunch-agents-")
-            self.step = self.starter(agent_argv(), env, self.nnodes, self._step_log)
+            self.step = self.scheduler.start(AgentLaunch(
+                tuple(agent_argv()), env, self.nnodes, self._step_log, secret,
+                env[tunnel.ADDR_ENV]))
             self._accept(listener, secret)
         except BaseException:
             listener.close()
