@@ -10,8 +10,10 @@ mplaunch is three programs and the contract between them. The folders say which 
 - ``_server``: the warm server. Its forked children become ranks, so it may import
   ``_rank`` as well.
 - ``_engine``: the launching process's machinery. Imports ``_wire`` and ``errors``; the one
-  exception is the fork spawner, whose child *is* a rank. What concerns more than one
-  node is in ``_engine.nodes``.
+  exception is the fork spawner, whose child *is* a rank. A World across nodes is
+  ``_engine.nodes`` (its schedulers behind one seam, ``schedulers``: only their own
+  modules name one); launch() as one launcher per node is ``_engine.tasks``. The two
+  share nothing.
 - ``_agent``: a node's agent, a process of its own on each node of a World across nodes.
   It runs its node's share with the engine's servers and spawners, so it may import
   ``_engine``; nothing imports it (it is started with ``python -m``).
@@ -118,9 +120,9 @@ def test_each_process_imports_only_what_its_layer_may():
 
 @no_torch
 def test_nothing_imports_the_agent_which_the_step_starts_by_its_module_name():
-    from mplaunch._engine.nodes import slurm_step
-    assert slurm_step.AGENT_MODULE == "mplaunch._agent.agent"
-    assert _is_module(slurm_step.AGENT_MODULE)
+    from mplaunch._engine.nodes import agents
+    assert agents.AGENT_MODULE == "mplaunch._agent.agent"
+    assert _is_module(agents.AGENT_MODULE)
     importers = [f"{module} imports {target}" for module, path in _modules()
                  if _layer(module) != "_agent" for target in _imports(module, path)
                  if _layer(target) == "_agent"]
@@ -400,3 +402,96 @@ def test_the_interrupt_guard_knows_mplaunchs_plumbing_by_the_modules_own_word(mo
     finally:
         serve.accept_interrupts(False)
 
+
+
+# -- one seam per scheduler -------------------------------------------------------------
+# The modules whose code may name a scheduler (a name, an option or a variable of its,
+# as a word in a string; or by importing its module), each with its reason. Docstrings,
+# comments and texts (a string with a space: an error, a help) may name any: they
+# explain, they do not decide.
+SCHEDULER_NAMERS = {
+    "mplaunch._engine.nodes.schedulers": "the registry: the built-in schedulers by name",
+    "mplaunch._engine.nodes.slurm_step": "SLURM, as a World's scheduler",
+    "mplaunch._engine.nodes.ray_step": "Ray, as a World's scheduler",
+    "mplaunch._engine.tasks.slurm": "launch() as one srun task per node reads its layout "
+                                    "from SLURM, and a rank in a step is a task of its own",
+    "mplaunch._rank.worker": "a rank's SLURM_TASK_PID is its own pid, known only there",
+}
+_SCHEDULER_WORD = re.compile(r"(?i)(?<![a-z])(slurm|ray|srun|salloc|sbatch)(?![a-z])")
+_SCHEDULER_MODULE = re.compile(r"^ray(\.|$)|(^|\.)\w+_step(\.|$)")
+
+
+def _docstrings(tree) -> set:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                             ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def _names_a_scheduler(path: str, module: str) -> list:
+    """Where the code of `path` names a scheduler: its words in strings (not texts, not
+    docstrings) and its imports of a scheduler's module (or of Ray's own package)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    docs = _docstrings(tree)
+    said = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in docs and " " not in node.value.strip() \
+                and _SCHEDULER_WORD.search(node.value):
+            said.append(f"line {node.lineno}: {node.value[:60]!r}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            if any(_SCHEDULER_MODULE.search(n) for n in names):
+                said.append(f"line {node.lineno}: imports {names}")
+    return said
+
+
+@no_torch
+def test_only_the_schedulers_own_modules_name_a_scheduler():
+    bad = {module: said for module, path in _modules()
+           if module not in SCHEDULER_NAMERS
+           for said in [_names_a_scheduler(path, module)] if said}
+    assert not bad, "\n".join(f"{m}: {s}" for m, s in bad.items())
+    for module in SCHEDULER_NAMERS:   # none stale
+        assert _is_module(module), module
+
+
+@no_torch
+def test_the_scheduler_checker_sees_strings_and_imports_not_docstrings(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text('"""Runs on SLURM or Ray."""\nfrom .nodes import ray_step\n'
+                   'def f():\n    """srun it."""\n    return "slurm", "array", "x_ray", \\\n'
+                   '        "needs SLURM", "SLURM_JOB_ID"\n'
+                   'import ray.util\nfrom .tasks import slurm\n')
+    said = _names_a_scheduler(str(src), "mplaunch._engine.m")
+    assert sorted(s.split(":")[0] for s in said) == ["line 2", "line 5", "line 5", "line 6",
+                                              "line 7"], said
+
+
+@no_torch
+def test_each_builtin_scheduler_is_one_module_offering_the_seam():
+    from mplaunch._engine.nodes import schedulers
+    for name, module in schedulers._BUILTIN.items():
+        factory = schedulers._factory(name)
+        assert factory.__module__ == module and factory.name == name
+        assert isinstance(factory(), schedulers.Scheduler), name
+        assert isinstance(factory.about, str) and isinstance(factory.options, tuple)
+    with pytest.raises(ValueError, match="registered already"):
+        schedulers.register("slurm", schedulers._factory("slurm"))
+    with pytest.raises(ValueError, match="one of 'slurm', 'ray'.*got 'k8s'"):
+        schedulers.choose("k8s")
+
+
+@no_torch
+def test_a_worlds_nodes_and_launchs_tasks_are_two_mechanisms_that_share_nothing():
+    crossing = [f"{module} imports {target}" for module, path in _modules()
+                for target in _imports(module, path)
+                for a, b in (("_engine.nodes", "_engine.tasks"),
+                             ("_engine.tasks", "_engine.nodes"))
+                if f"mplaunch.{a}" in module + "." and target.startswith(f"mplaunch.{b}")]
+    assert not crossing, crossing

@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from typing import Callable, Dict, List, Mapping, Optional, Union
 
+from .tasks.slurm import task_vars
+
 EnvArg = Union[None, Mapping[str, str], Callable[[int], Mapping[str, str]]]
 
 
@@ -79,20 +81,7 @@ def rank_env(*, base: Mapping[str, str], rank: int, local_rank: int, world_size:
         "ROLE_NAME": "default",
         "PYTHONUNBUFFERED": "1",
     })
-    if "SLURM_PROCID" in env:
-        # Inside a SLURM step the launching process's task variables describe it, not
-        # this rank: a framework that reads them (Lightning's SLURM environment) would
-        # take every rank for task 0 of a step of one. Each rank is a task of its own.
-        env.update({"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local_rank),
-                    "SLURM_NODEID": str(node_rank), "SLURM_NTASKS": str(world_size),
-                    "SLURM_NPROCS": str(world_size), "SLURM_NNODES": str(nnodes),
-                    "SLURM_NTASKS_PER_NODE": str(local_world_size),
-                    "SLURM_STEP_NUM_TASKS": str(world_size),
-                    "SLURM_STEP_NUM_NODES": str(nnodes),
-                    "SLURM_TASKS_PER_NODE": f"{local_world_size}(x{nnodes})",
-                    "SLURM_STEP_TASKS_PER_NODE": f"{local_world_size}(x{nnodes})",
-                    "SLURM_GTIDS": ",".join(str(node_rank * local_world_size + i)
-                                            for i in range(local_world_size))})
+    task_vars(env, rank, local_rank, node_rank, world_size, local_world_size, nnodes)
     if store:
         # Read by the rank's env:// hook; each attempt has its own keys in the store.
         env["MPLAUNCH_STORE"] = store

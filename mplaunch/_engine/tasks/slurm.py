@@ -1,8 +1,10 @@
-"""Reading a multi-node layout from SLURM, when mplaunch runs as one srun task per node."""
+"""What SLURM's environment says of a task's place, read when mplaunch runs as one srun
+task per node (launch()'s layout), and rewritten for each rank started inside a step
+(a World's on SLURM too): the one module that reads a SLURM task's variables."""
 from __future__ import annotations
 
 import re
-from typing import Mapping, Optional
+from typing import Dict, Mapping, Optional
 
 
 def first_host(nodelist: str) -> Optional[str]:
@@ -47,3 +49,23 @@ def layout(env: Mapping[str, str]) -> Optional[dict]:
         # Every task must agree on the port without talking: derive it from the job.
         "master_port": int(port) if port and port.isdigit() else 20000 + job % 20000,
     }
+
+
+def task_vars(env: Dict[str, str], rank: int, local_rank: int, node_rank: int,
+              world_size: int, local_world_size: int, nnodes: int) -> None:
+    """Inside a SLURM step the launching process's task variables describe it, not a
+    rank: a framework that reads them (Lightning's SLURM environment) would take every
+    rank for task 0 of a step of one. Each rank is a task of its own: `env` (a rank's
+    environment) is rewritten so."""
+    if "SLURM_PROCID" not in env:
+        return
+    env.update({"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local_rank),
+                "SLURM_NODEID": str(node_rank), "SLURM_NTASKS": str(world_size),
+                "SLURM_NPROCS": str(world_size), "SLURM_NNODES": str(nnodes),
+                "SLURM_NTASKS_PER_NODE": str(local_world_size),
+                "SLURM_STEP_NUM_TASKS": str(world_size),
+                "SLURM_STEP_NUM_NODES": str(nnodes),
+                "SLURM_TASKS_PER_NODE": f"{local_world_size}(x{nnodes})",
+                "SLURM_STEP_TASKS_PER_NODE": f"{local_world_size}(x{nnodes})",
+                "SLURM_GTIDS": ",".join(str(node_rank * local_world_size + i)
+                                        for i in range(local_world_size))})
