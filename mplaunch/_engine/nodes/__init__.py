@@ -1,8 +1,7 @@
-"""The launching side of more than one node. A World across nodes: its agents, one per
-node, started as one step of the scheduler (slurm_step: one srun step; ray_step: one
-placement group with an actor per node, behind the same calls), the authenticated link
-to each (remote.Hub), the pump that copies each remote rank's fds to and from its node's link
-(pump), a call's payload sent to each node once (payloads) and the group's spawner
-through the agents (spawner). A batch launch across nodes: how the nodes' launchers tell
-each other about a failure through the store (sync), and what SLURM's environment says
-of a task's place (slurm)."""
+"""A World across nodes, on the launching side: its plan (plan), the scheduler that
+starts one agent per node, chosen by name behind one seam (schedulers; slurm_step: one
+srun step, ray_step: one placement group with an actor per node; agents: what they
+share), the authenticated link to each agent (hub.Hub), the pump that copies each
+remote rank's fds to and from its node's link (pump), a call's payload sent to each node
+once (payloads) and the group's spawner through the agents (spawner). launch() with one
+launcher per node is another mechanism: _engine.tasks."""
