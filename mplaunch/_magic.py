@@ -11,18 +11,28 @@ by reference there, as it would in a script (``torch.save(model)``, DataLoader
 workers). The notebook's own names are not sent: ``%ranks push`` copies chosen ones, as
 ipyparallel's ``push`` does. docs/notebooks.rst describes what users see; what a failed
 cell or pull shows is made in mplaunch._magic_errors.
+
+The magics parse their flags into World's arguments and let World check them: a bad
+one is World's own error, shown as a usage error, and the world that was up stays up
+(the new one is made, and so checked, before the old one stops). ``--scheduler`` offers
+the schedulers the engine has registered. Rejected: checking here what World checks
+(sizes, GPU lists, nodes, scheduler names), a second copy of each rule that drifted
+from the first.
 """
 from __future__ import annotations
 
 import importlib.util
 import linecache
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ._magic_errors import (Usage, not_rebuilt, notebook_name_note, rebuilt, shown_error,
                             why_torn_down)
 from ._rank import cells
 from .errors import LaunchTimeout, MainProcessError, WorkerError
+
+if TYPE_CHECKING:   # annotations only: argparse is imported when a magic runs
+    import argparse
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", "DEFAULT_NPROCS"]
 
@@ -54,8 +64,6 @@ def unload_ipython_extension(ipython) -> None:
         ipython.magics_manager.magics[kind].pop(_MAGIC, None)
 
 
-# -- the ranks' side ---------------------------------------------------------------------
-#
 # -- the notebook's side -----------------------------------------------------------------
 
 class _Done(Exception):
@@ -65,6 +73,7 @@ class _Done(Exception):
 def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     import argparse
 
+    from ._engine.nodes import schedulers
     from ._placement_flags import placement_flags
 
     class _Parser(argparse.ArgumentParser):
@@ -85,14 +94,12 @@ def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     start.add_argument("nprocs", nargs="?", type=int, default=None,
                        help=f"number of ranks, on each node with --nodes (default: the "
                             f"last size, else {DEFAULT_NPROCS})")
-    start.add_argument("--nodes", type=int, default=None, metavar="M",
-                       help="run NPROCS ranks on each of M nodes of this SLURM "
-                            "allocation (or Ray cluster: --scheduler ray), NPROCS * M in "
-                            "all (default 1)")
-    start.add_argument("--scheduler", default=None, choices=("slurm", "ray"),
-                       help="with --nodes: where the nodes come from: slurm (this "
-                            "allocation, the default) or ray (the Ray cluster this kernel "
-                            "is connected to: ray.init(address=...) or RAY_ADDRESS)")
+    start.add_argument("--nodes", dest="nnodes", type=int, default=None, metavar="M",
+                       help="run NPROCS ranks on each of M nodes (of this allocation, or "
+                            "those --scheduler places), NPROCS * M in all (default 1)")
+    start.add_argument("--scheduler", default=None, choices=schedulers.names(),
+                       help=f"with --nodes: the scheduler the nodes come from (default: "
+                            f"{schedulers.DEFAULT}, the allocation this kernel runs in)")
     start.add_argument("--master-addr", default=None,
                        help="with --nodes: this machine's address that the nodes reach "
                             "(default: its host name's)")
@@ -168,7 +175,8 @@ class _Ranks:
         ``%ranks start [N] [--backend B] [--timeout S] [--grace-period S] [--no-heal]
         [--log-dir D] [--env NAME=VALUE]``, ``%ranks stop``, ``%ranks restart``,
         ``%ranks push NAME...``, ``%ranks pull NAME`` (a list by rank), ``%ranks
-        stacks`` (where each rank is now), and ``%ranks`` (status). ``%ranks --help`` and ``%ranks start --help`` list the options.
+        stacks`` (where each rank is now), and ``%ranks`` (status). ``%ranks --help``
+        and ``%ranks start --help`` list the options.
         """
         __tracebackhide__ = True  # noqa: F841 - IPython leaves our frames out
         import shlex
@@ -192,7 +200,6 @@ class _Ranks:
         elif args.command == "stop":
             self.stop()
         elif args.command == "restart":
-            self.stop(quiet=True)
             self._start_world("restarted")
         elif args.command == "push":
             self.push(args.names)
@@ -220,25 +227,16 @@ class _Ranks:
 
     def start(self, args: argparse.Namespace) -> None:
         settings = dict(self.settings)
-        if args.nprocs is not None:
-            if args.nprocs < 1:
-                raise Usage(f"%ranks start: NPROCS must be at least 1, got {args.nprocs}")
-            settings["nprocs"] = args.nprocs
         if args.backend is not None:
             settings["backend"] = None if args.backend.lower() == "none" else args.backend
-        if args.nodes is not None:
-            if args.nodes < 1:
-                raise Usage(f"%ranks start: --nodes must be at least 1, got {args.nodes}")
-            settings["nnodes"] = args.nodes
-        for key in ("timeout", "grace_period", "log_dir", "heal", "master_addr",
-                    "scheduler"):
+        for key in ("nprocs", "nnodes", "timeout", "grace_period", "log_dir", "heal",
+                    "master_addr", "scheduler"):
             value = getattr(args, key)
             if value is not None:
                 settings[key] = value
         settings.update(_placement(args, "%ranks start"))
-        if "gpus" in settings and isinstance(settings["gpus"], list) \
-                and args.nprocs is None:
-            settings["nprocs"] = len(settings["gpus"])
+        if args.nprocs is None:
+            _sized_by_gpus(settings)
         if args.env:
             env = {}
             for item in args.env:
@@ -247,9 +245,7 @@ class _Ranks:
                     raise Usage(f"%ranks start: --env takes NAME=VALUE, got {item!r}")
                 env[name] = value
             settings["env"] = env
-        self.stop(quiet=True)
-        self.settings = settings
-        self._start_world("started")
+        self._start_world("started", settings)
 
     def stop(self, quiet: bool = False) -> None:
         world, self.world = self.world, None
@@ -310,10 +306,10 @@ class _Ranks:
             raise error.with_traceback(None)  # the cell's line, not ours or ast's
         placement = _placement(args, "%%ranks")
         if any(self.settings.get(k) != v for k, v in placement.items()):
-            self.settings.update(placement)
-            if isinstance(placement.get("gpus"), list):
-                self.settings["nprocs"] = len(placement["gpus"])
-            self.stop(quiet=True)   # the next _run starts ranks placed so
+            settings = dict(self.settings, **placement)
+            if "gpus" in placement:
+                _sized_by_gpus(settings)
+            self._start_world("started", settings, "%%ranks")   # ranks placed so
         self._run(exec, (cells.Cell(filename, shown, 1, body), cells.MainNamespace()), args.timeout,
                   cell=filename)
 
@@ -342,12 +338,20 @@ class _Ranks:
         return name
 
     # -- the world ---------------------------------------------------------------------
-    def _start_world(self, verb: str) -> None:
-        from ._world import World
-        s = dict(self.settings)
+    def _start_world(self, verb: str, settings: Optional[Dict[str, Any]] = None,
+                     command: str = "%ranks start") -> None:
+        """Start a world of `settings` (else the last ones) in place of the current one,
+        which stops only once World has taken them: a bad one is a usage error of
+        `command`, and the world stays as it was."""
+        s = dict(self.settings if settings is None else settings)
         nprocs, backend = s.pop("nprocs"), s.pop("backend")
-        world = World(nprocs, backend=backend, **s)
-        world._send_hint = "To send the notebook's value: %ranks push {name}"
+        try:
+            world = _notebook_world(nprocs, backend=backend, **s)
+        except (TypeError, ValueError) as exc:
+            raise Usage(f"{command}: {exc}") from None
+        self.stop(quiet=True)
+        # The size World made of them (one rank per GPU of a list): the next start's.
+        self.settings = dict(s, nprocs=world.nprocs, backend=backend)
         world.start()
         self.world, self.torn_down = world, None
         names = [n["name"] for n in world.nodes]
@@ -363,7 +367,6 @@ class _Ranks:
             if self.torn_down:
                 print(f"%ranks: the world was torn down ({self.torn_down}); starting "
                       "fresh ranks")
-            self.stop(quiet=True)
             self._start_world("started")
         world = self.world
         try:
@@ -377,6 +380,32 @@ class _Ranks:
         raise shown_error(failure, world.size, cell, bool(world.pids), world.nnodes > 1,
                           (lambda exc: notebook_name_note(self.shell, exc)) if cell
                           else None)
+
+
+def _sized_by_gpus(settings: Dict[str, Any]) -> None:
+    """Where `settings` list the ranks' GPUs and no NPROCS was given, World makes one
+    rank per GPU listed: it counts them, not the magic."""
+    if isinstance(settings.get("gpus"), list):
+        settings["nprocs"] = None
+
+
+_NotebookWorld = None
+
+
+def _notebook_world(*args, **kwargs):
+    """A World whose warning about a name the ranks kept says ``%ranks push NAME``: a
+    subclass overriding World's class attribute, made at the first world (loading the
+    extension imports no launching side). Rejected: writing World's private attribute
+    from here, and a private keyword of World's (it would show in its documented
+    signature, or be one more option to take out before World's checks)."""
+    global _NotebookWorld
+    if _NotebookWorld is None:
+        from ._world import World
+
+        class NotebookWorld(World):
+            _send_hint = "To send the notebook's value: %ranks push {name}"
+        _NotebookWorld = NotebookWorld
+    return _NotebookWorld(*args, **kwargs)
 
 
 def _ranks(nprocs: int, nnodes: int, names=()) -> str:

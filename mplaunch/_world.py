@@ -4,30 +4,31 @@ The front-end: it validates, takes one call at a time, and presents. The engine 
 _engine.world_engine.Serving (what Run is to launch()): it starts the ranks, drives each
 call to its replies with the loop launch() uses, and heals a failed call where it can
 (_engine.heal drives the call, _rank.heal is the ranks' side). One run() goes down to
-it and comes back once, with the results or the error to raise.
+it once, with the modules this process reloaded since the last run (_engine.modwatch),
+and comes back once, with a Reply: the results or the error to raise, and the notes
+that mplaunch._world_notes turns into warnings. Rejected: a front-end that drove the
+engine itself, one call to reload the ranks' modules and one to run (before): what a
+run is belongs to the engine, and the ranks follow the reloads with the call.
 """
 from __future__ import annotations
 
 import atexit
-import sys
 import threading
-import types
-import warnings
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVar
 
 from ._engine.config import LaunchConfig, check_call, seconds, validate
 from ._engine.modwatch import ModuleWatch
 from ._engine.nodes.plan import plan_nodes
 from ._engine.world_engine import RankCalls, Serving
-from ._rank import heal, procgroup, reloads
+from ._rank import heal, procgroup
 from ._launch import from_here
 from ._wire.payload import dumps_payload
+from ._world_notes import present
 from .errors import MPLaunchError
 
 T = TypeVar("T")
 # mplaunch's own calls in the ranks, sent by reference to the rank's side
-_CALLS = RankCalls(setup=procgroup.setup, group_state=heal.group_state,
-                   rebuild=heal.rebuild)
+_CALLS = RankCalls(setup=procgroup.setup, group_state=heal.group_state, rebuild=heal.rebuild)
 
 # Strong references: a World nobody refers to any more is still open (its ranks, pipes and
 # store are up) and must be closed at exit. With weak ones, a world made in a function
@@ -58,13 +59,13 @@ class World:
     (the process group is rebuilt and a dead rank replaced if need be, and the error
     says so); what cannot be healed is torn down and the next ``run`` starts fresh
     ranks, as always with ``heal=False``. ``restart()`` starts fresh ranks on purpose.
-    ``close()`` (or leaving the ``with``
-    block) ends every process; a world left open is closed at interpreter exit.
+    ``close()`` (or leaving the ``with`` block) ends every process; a world left open is
+    closed at interpreter exit.
     """
 
     __module__ = "mplaunch"
     # What the warning about a name the ranks kept says to do to send this process's
-    # value instead (the %%ranks magic's world says `%ranks push NAME`).
+    # value instead; a subclass says it in its own words (the %%ranks magic's world).
     _send_hint = "To send this process's value, pass it to run() as an argument."
 
     def __init__(self, nprocs: Any = None, backend: Optional[str] = None,
@@ -103,7 +104,7 @@ class World:
         # same fds twice with the selector). A second thread's run() waits its turn.
         self._lock = threading.RLock()
         self._modules = ModuleWatch()
-        self._told: Set[tuple] = set()   # what a kept-value warning was given for
+        self._told: Set[tuple] = set()   # the notes said already (_world_notes)
         _open.add(self)
 
     # -- public ----------------------------------------------------------------------
@@ -138,12 +139,15 @@ class World:
     @property
     def nodes(self) -> List[dict]:
         """Across nodes: each node's index, name and agent pid, its ranks' GPUs and CPUs
-        as its agent placed them (None: not placed), the CPUs the agent may use and its
-        CUDA_VISIBLE_DEVICES ([] before the first run; one node: [])."""
+        as its agent placed them (None: not placed), the CPUs the agent may use, its
+        CUDA_VISIBLE_DEVICES, and ``"payloads"``: how many payloads (a run's function
+        and arguments, sent to a node once for all its ranks) were sent to it so far
+        ([] before the first run; one node: [])."""
         return [{"node": i.index, "name": i.name, "agent_pid": i.pid, "gpus": i.gpus,
                  "cpus": i.placed_cpus, "allowed": i.cpus,
                  "environ": {k: v for k, v in i.environ.items()
-                             if k == "CUDA_VISIBLE_DEVICES"}}
+                             if k == "CUDA_VISIBLE_DEVICES"},
+                 "payloads": getattr(i, "payloads", 0)}
                 for i in self._engine.nodes_info]
 
     def stacks(self):
@@ -186,56 +190,16 @@ class World:
             timeout = seconds("timeout", timeout, optional=True)
         payload = dumps_payload(func, args, kwargs or {})
         with self._lock:
-            was_up = self._engine.up
+            # What this process reloaded since the last run goes down with the call;
+            # fresh ranks (start) import the modules as they are now.
+            reloads = self._modules.reloaded() if self._engine.up else ()
             self.start()
-            self._follow_reloads(was_up, timeout)
-            try:
-                try:
-                    return self._engine.call(payload, timeout)
-                finally:
-                    self._say_kept()
-            except MPLaunchError as err:
-                failure = err
-        raise from_here(failure)
-
-    def _follow_reloads(self, was_up: bool, timeout) -> None:
-        """Change in the ranks, before the call, the modules this process reloaded or
-        patched since the last run (_engine.modwatch, _rank.reloads): fresh ranks import
-        them as they are. Where some ranks could not follow, say which run what."""
-        changes = self._modules.reloaded()
-        if not (changes and was_up):
-            return
-        answers = self._engine.call(
-            dumps_payload(reloads.reload_modules, (changes,), {}), timeout)
-        failed: dict = {}    # name -> why -> ranks
-        for rank, answer in enumerate(answers):
-            for name, why in answer.items():
-                failed.setdefault(name, {}).setdefault(why, []).append(rank)
-        for name, whys in failed.items():
-            warnings.warn(_unfollowed(name, whys, len(answers)), RuntimeWarning,
-                          stacklevel=_outside_mplaunch())
-
-    def _say_kept(self) -> None:
-        """Warn where ranks kept their own value of a `__main__` name over this
-        process's, and where this process's object replaced one the ranks had changed
-        in place (_wire.mainglobals): once per name, object of this process's and
-        reason."""
-        for said, ranks in sorted(self._engine.take_kept_globals().items(), key=repr):
-            if said in self._told:
-                continue
-            self._told.add(said)
-            kind, name, _, why = said
-            who = ("the ranks" if len(ranks) >= self.size else
-                   f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, sorted(ranks)))}")
-            if kind == "kept":
-                said = (f"{who} kept their own {name!r} (their code assigned it), not "
-                        f"this process's {name!r}, which the function also names: a "
-                        f"name the ranks assign is theirs from then on. "
-                        f"{self._send_hint.format(name=name)}")
-            else:
-                said = _replaced(who, name, why)
-            warnings.warn(f"mplaunch.World: {said}", UserWarning,
-                          stacklevel=_outside_mplaunch())
+            reply = self._engine.call(payload, timeout, reloads)
+            present(reply, self._told, self.size, self._send_hint)
+        error = reply.error
+        if error is None:
+            return reply.values
+        raise from_here(error) if isinstance(error, MPLaunchError) else error
 
     def restart(self, nnodes: Optional[int] = None,
                 nprocs: Optional[int] = None) -> "World":
@@ -288,69 +252,6 @@ class World:
                  else "")
         return (f"<mplaunch.World nprocs={self.nprocs}{nodes} backend={self.backend!r} "
                 f"{state}>")
-
-
-def _replaced(who: str, name: str, why: str) -> str:
-    """What a warning says where this process's object `name` replaced the copy that
-    `who` had changed in place, and `why` (_wire.mainglobals.take_kept)."""
-    kind, _, other = why.partition(":")
-    reason = {"new": f"this process's {name!r} is not the object it sent before",
-              "changed": f"this process changed its {name!r} since it sent it",
-              "shares": f"it shares tensors with this process's {other!r}, which the "
-                        f"ranks took anew, and the two must stay linked",
-              "held": f"something else this run sent holds this process's {name!r}, "
-                      f"an argument or another global"}.get(kind, why)
-    return (f"{who} had changed their {name!r} in place since they got it (trained "
-            f"it, say), and took this process's {name!r} instead: {reason}. What they "
-            f"changed is gone. The ranks keep a module, optimizer, LR scheduler or "
-            f"tensor of this process's that they change in place only while this "
-            f"process's stays the same object, unchanged here. To go on from theirs, "
-            f"build it in the ranks (global {name}; {name} = ...) or fetch it first "
-            f"(return {name}.state_dict() from a run)")
-
-
-def _unfollowed(name: str, whys: dict, size: int) -> str:
-    """What a warning says of module `name`, which ranks could not reload ({why:
-    ranks}) of the World's `size`: which ranks run what, and how to get them equal."""
-    failed = sorted(r for ranks in whys.values() for r in ranks)
-    if len(failed) == size and len(whys) == 1:
-        said = (f"the ranks could not reload {name!r}, which this process reloaded "
-                f"({next(iter(whys))}); they run the version they had")
-    else:
-        one = len(failed) == 1
-        why = next(iter(whys)) if len(whys) == 1 else "; ".join(
-            f"{_ranks(ranks)}: {why}" for why, ranks in whys.items())
-        said = (f"{_ranks(failed)} could not reload {name!r}, which this process "
-                f"reloaded ({why}), and run{'s' * one} the version "
-                f"{'it' if one else 'they'} had")
-        followed = [r for r in range(size) if r not in failed]
-        if followed:
-            said += (f", while {_ranks(followed)} run{'s' * (len(followed) == 1)} it "
-                     f"as reloaded: the ranks now run different code")
-    return (f"mplaunch.World: {said}. To run the same code everywhere, make {name!r} "
-            f"load in every rank and reload it here again (the next run follows), or "
-            f"call world.restart() for fresh ranks")
-
-
-def _ranks(ranks: List[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
-
-
-def _outside_mplaunch() -> int:
-    """The stacklevel of a warning given in a World's method: the first frame of the
-    user's code, past mplaunch's own and, for a ``%ranks`` magic, IPython's that ran it
-    (the warning then shows the cell's line)."""
-    level = 1
-    frame: Optional[types.FrameType] = sys._getframe(1)
-    while frame is not None and \
-            frame.f_globals.get("__name__", "").partition(".")[0] in _NOT_USERS:
-        level, frame = level + 1, frame.f_back
-    return level
-
-
-_NOT_USERS = ("mplaunch", "IPython")
 
 
 @atexit.register

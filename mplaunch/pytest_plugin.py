@@ -53,9 +53,14 @@ random number generators' states as they were at its first test.
 ``nnodes=M`` (with ``reuse=True``), or ``MPLAUNCH_TEST_NNODES=M`` in the environment for
 every reuse test, runs the World across M nodes of the SLURM allocation the session
 runs in, with ``nprocs`` ranks on each node (``nprocs * M`` in all), as ``launch`` and
-:class:`mplaunch.World` count them. ``scheduler="ray"`` (or
-``MPLAUNCH_TEST_SCHEDULER=ray``) takes the nodes from the Ray cluster the session is
-connected to (``RAY_ADDRESS``, or ``ray.init`` in a conftest) instead.
+:class:`mplaunch.World` count them. ``scheduler=NAME`` (or
+``MPLAUNCH_TEST_SCHEDULER=NAME``) takes the nodes from another scheduler World knows,
+passed to it as given: ``"ray"``, the Ray cluster the session is connected to
+(``RAY_ADDRESS``, or ``ray.init`` in a conftest). ``pytest --markers`` lists them.
+
+The plugin passes the options through to :func:`mplaunch.launch` and
+:class:`mplaunch.World`, which check them. Rejected: checking here what they check (a
+scheduler's name among them): a second copy of each rule, loaded by every session.
 """
 from __future__ import annotations
 
@@ -75,10 +80,10 @@ _MARKER_HELP = (
     "the test body in nprocs ranks with torch.distributed initialised (backend=None: "
     "not); nprocs=[1, 2, 4]: once per size; reuse=True: in ranks kept up for the next "
     "test of the same options (with nnodes=M, or MPLAUNCH_TEST_NNODES=M: across M nodes "
-    "of the SLURM allocation, nprocs ranks on each; scheduler='ray': of the Ray cluster); "
-    "the other keywords (gpus=, cpus=, "
-    "...) go to "
-    "mplaunch.launch; a test needing more GPUs than the machine has is skipped")
+    "of the allocation the session runs in, nprocs ranks on each; scheduler=NAME, or "
+    "MPLAUNCH_TEST_SCHEDULER=NAME: the nodes that scheduler places{names}); the other "
+    "keywords (gpus=, cpus=, ...) go to mplaunch.launch; a test needing more GPUs than "
+    "the machine has is skipped")
 
 # Ranks unpickle the test with pytest already imported in the warm server: without it
 # every rank of every test would import pytest again.
@@ -99,7 +104,17 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", _MARKER_HELP)
+    config.addinivalue_line("markers", _MARKER_HELP.format(names=_scheduler_names(config)))
+
+
+def _scheduler_names(config) -> str:
+    """Where ``pytest --markers`` shows the marker's help: the schedulers World knows
+    (their registry is imported then only: every other session skips it)."""
+    if not getattr(config.option, "markers", False):
+        return ""
+    from ._engine.nodes import schedulers
+    return (f", one of {', '.join(schedulers.names())} (default "
+            f"{schedulers.DEFAULT})")
 
 
 def pytest_sessionfinish(session):
@@ -200,7 +215,7 @@ def _marker_options(item) -> dict:
                 else f"scheduler={opts['scheduler']!r}")
         raise pytest.UsageError(
             f"{item.nodeid}: {what} runs the test in a World across the nodes of this "
-            "SLURM allocation (or Ray cluster: scheduler='ray'), which is kept for the "
+            "SLURM allocation (or those its scheduler places), which is kept for the "
             "next tests: mark it reuse=True too")
     return opts
 

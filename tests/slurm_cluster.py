@@ -63,6 +63,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import pytest
 
 __all__ = [
+    "Allocation",
     "SlurmCluster",
     "SlurmClusterError",
     "slurm_cluster",
@@ -407,6 +408,110 @@ class SlurmCluster:
     def pids(self) -> Dict[str, int]:
         """``{daemon name: pid}`` of the daemons this harness started."""
         return {d.name: d.proc.pid for d in self._daemons}
+
+    def steps(self, job: str) -> List[Tuple[str, str]]:
+        """``[(JOB.STEP, step name), ...]`` of job ``job`` as squeue lists them."""
+        r = self._quiet(["squeue", "-s", "-j", job, "-h", "-o", "%i %j"])
+        return [tuple(line.split(None, 1)) for line in r.stdout.splitlines()
+                if line.strip()]
+
+    @contextlib.contextmanager
+    def allocation(self, nodes: int = 2, args: Sequence[str] = (),
+                   timeout: float = 60.0) -> Iterator["Allocation"]:
+        """An allocation held for the block, as ``salloc -N<nodes> <args>`` gives one
+        to its command: yields an :class:`Allocation` whose ``env`` is exactly the
+        environment salloc gave (SLURM_JOB_ID, SLURM_JOB_NUM_NODES, ... and
+        :attr:`env`). A process that takes its ``slurm_env`` into its own environment
+        (a test: ``monkeypatch.setenv``) is inside the allocation, as a shell of
+        ``salloc`` is: its ``srun`` runs steps of the job.
+
+        salloc's command writes its environment to a file and waits on its stdin;
+        closing that stdin ends it, and salloc relinquishes the allocation. On a clean
+        exit from the block, the job must have no step left (what the code under test
+        started in it must have ended with it) and, once the controller forgot the
+        job, no process of it may be left (:meth:`job_processes`): else
+        AssertionError. On an error the allocation is relinquished all the same.
+        """
+        where = Path(tempfile.mkdtemp(prefix="salloc-", dir=self.root))
+        env_path, out_path = where / "env", where / "salloc.out"
+        holder = 'env -0 > "$1.part" && mv "$1.part" "$1" && exec cat > /dev/null'
+        with open(out_path, "wb") as out:
+            proc = subprocess.Popen(
+                ["salloc", f"-N{nodes}", *args, "sh", "-c", holder, "sh", str(env_path)],
+                env=self.env, stdin=subprocess.PIPE, stdout=out,
+                stderr=subprocess.STDOUT, cwd=self.root)
+        alloc = None
+        try:
+            deadline = time.monotonic() + timeout
+            while not env_path.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SlurmClusterError(
+                        f"salloc -N{nodes} gave no allocation within {timeout:g} s "
+                        f"(exit status {proc.poll()}): "
+                        f"{out_path.read_text(errors='replace')}\n{self.logs()}")
+                time.sleep(0.02)
+            env = dict(item.split("=", 1) for item in
+                       env_path.read_bytes().decode().split("\0") if "=" in item)
+            alloc = Allocation(env["SLURM_JOB_ID"], env, proc.pid)
+        except BaseException:
+            self._relinquish(proc, alloc)
+            raise
+        try:
+            yield alloc
+        except BaseException:
+            self._relinquish(proc, alloc)
+            raise
+        deadline = time.monotonic() + 20     # squeue hears of a step's end late
+        steps = self.steps(alloc.job)
+        while steps and time.monotonic() < deadline:
+            time.sleep(0.2)
+            steps = self.steps(alloc.job)
+        self._relinquish(proc, alloc)
+        jobs, procs = self._settled(alloc.job)
+        assert not steps, f"steps of job {alloc.job} left when it ended: {steps}"
+        assert not jobs and not procs, (f"job {alloc.job} still known ({jobs}) or its "
+                                        f"processes left ({procs})")
+
+    def _relinquish(self, proc: subprocess.Popen, alloc: Optional["Allocation"]) -> None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()        # its command ends, and salloc lets the job go
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            if alloc is not None:
+                self._quiet(["scancel", alloc.job])
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def _settled(self, job: str, timeout: float = 20.0):
+        """Once job ``job`` is over: ([ids squeue still shows for it], [processes of
+        the cluster's jobs still alive]), after giving the controller time."""
+        deadline = time.monotonic() + timeout
+        while True:
+            jobs = [j for j in self.job_ids() if j == job]
+            procs = self.job_processes()
+            if (not jobs and not procs) or time.monotonic() > deadline:
+                return jobs, procs
+            time.sleep(0.2)
+
+
+@dataclass
+class Allocation:
+    """A held allocation (:meth:`SlurmCluster.allocation`): its job id, the environment
+    salloc gave its command, and salloc's pid."""
+    job: str
+    env: Dict[str, str]
+    salloc_pid: int
+
+    @property
+    def slurm_env(self) -> Dict[str, str]:
+        """The variables that put a process inside the allocation: salloc's SLURM_*
+        (SLURM_CONF among them) and the cluster's marker (see _cluster_processes)."""
+        return {k: v for k, v in self.env.items()
+                if k.startswith("SLURM_") or k == _MARKER_VAR}
 
 
 # -- startup ---------------------------------------------------------------

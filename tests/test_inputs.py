@@ -405,17 +405,16 @@ def test_world_run_sends_the_same_tensor_again_by_value():
 # -- across nodes ---------------------------------------------------------------------------
 
 def test_across_nodes_each_node_receives_a_payload_once():
-    import local_step
+    import local_step  # noqa: F401 - registers scheduler="local", the tests' stand-in
     t = torch.rand(2 ** 23)                           # 32 MiB
-    world = mplaunch.World(4, nnodes=2, master_addr="127.0.0.1",
-                           _starter=local_step.starter())
+    world = mplaunch.World(4, nnodes=2, master_addr="127.0.0.1", scheduler="local")
     with world:
         world.run(len, ((),))
-        sent = world._engine.hub.pump.payloads.sent
-        ranks, per_node = len(world.pids), world.cfg.nprocs   # (World's nprocs: see
-        assert ranks == 2 * per_node and per_node >= 2       # _world._across_nodes)
+        sent = [n["payloads"] for n in world.nodes]
+        ranks, per_node = len(world.pids), world.nprocs   # nprocs: on each node
+        assert ranks == 2 * per_node and per_node >= 2
         assert world.run(keep, (t,)) == [pytest.approx(float(t.sum()))] * ranks
         # one PAYLOAD frame per node, not per rank
-        assert world._engine.hub.pump.payloads.sent - sent == 2
+        assert [n["payloads"] for n in world.nodes] == [s + 1 for s in sent], sent
         for pid in world.pids.values():
             assert rollup(pid)["Pss_Shmem"] == pytest.approx(32 * MiB / per_node, rel=0.1)

@@ -1,14 +1,23 @@
 """A World across the nodes of a real SLURM allocation (mplaunch.World(nprocs=2,
-nnodes=2): 2 ranks on each node): the throwaway two-node cluster of slurm_cluster (n1 and n2, both on
-127.0.0.1, whose names do not resolve: master_addr is given), a script started by
-`salloc -N2` as a user would start one, and what SLURM itself says about the job's
-steps while the World is up and after it closed.
+nnodes=2): 2 ranks on each node): the throwaway two-node cluster of slurm_cluster (n1
+and n2, both on 127.0.0.1, whose names do not resolve: master_addr is given).
 
-Each script (tests/scripts_slurm) prints one JSON line per check ({"check": name, ...});
-the tests parse them. One cluster serves the whole module; each script gets its own
-allocation, and every test ends by proving that once the allocation is over the
-controller knows no job and no process of the cluster's jobs is left
-(SlurmCluster.job_processes finds them by pid, never by name).
+The scenarios every scheduler runs (tests/nodes_scenarios.py) run here in the pytest
+process itself, made a process inside an allocation: the `allocation` fixture holds one
+(`salloc -N2`) per test and puts the environment salloc gives its command into this
+process's (monkeypatch), so the World's srun runs its step in that job, as from a shell
+of salloc. `SlurmNodes` tells the scenarios what SLURM says: the nodes' names, the SLURM
+task variables of each rank, and the job's steps as squeue lists them (exactly one while
+a World is up, the same one through every heal). Every such test ends by proving that
+the job had no step left, and, once the allocation was over, that the controller knows
+no job and no process of the cluster's jobs is left (SlurmCluster.job_processes finds
+them by pid, never by name).
+
+What only SLURM has: an allocation too small, two Worlds' steps in one job, a step
+cancelled with scancel; and what needs a script of its own, started as a user starts
+one (`salloc -N2 python SCRIPT`, `sbatch`; tests/scripts_slurm, one JSON line per check):
+a Jupyter kernel inside the allocation, the pytest plugin's reuse, a launching process
+that exits or is killed with its World open, batch jobs, a frozen node, per-rank options.
 
 Several tests here began as strict xfails for bugs they found (agents that could not
 start a second group of ranks, a frozen node that hung run() and close(), uneven
@@ -21,12 +30,21 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
-import slurm_cluster as harness
+pytest.register_assert_rewrite("nodes_scenarios")
+
+import mplaunch  # noqa: E402
+import nodes_scenarios  # noqa: E402
+import slurm_cluster as harness  # noqa: E402
+from nodes_scenarios import *  # noqa: E402,F401,F403 - the shared scenarios
+from nodes_scenarios import (agents, alive, allreduce_sum, whoami,  # noqa: E402
+                             world_processes)
 
 pytestmark = pytest.mark.slurm
 
@@ -41,6 +59,150 @@ def cluster(tmp_path_factory):
     with harness.slurm_cluster(tmp_path_factory.mktemp("slurm")) as c:
         yield c
 
+
+@pytest.fixture
+def allocation(cluster, monkeypatch):
+    """This process inside a fresh `salloc -N2` allocation for the test; on its end, the
+    job must have no step left, and nothing of it may be left once it is over."""
+    with cluster.allocation(2) as alloc:
+        for name in list(os.environ):
+            if name.startswith("SLURM_"):
+                monkeypatch.delenv(name)
+        for name, value in alloc.slurm_env.items():
+            monkeypatch.setenv(name, value)
+        yield alloc
+
+
+SLURM_TASK_VARS = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS",
+                   "SLURM_TASK_PID")
+
+
+class SlurmNodes(nodes_scenarios.Nodes):
+    """The nodes of this process's allocation: one srun step of agents per World."""
+    scheduler = "slurm"
+    gone_within = 10.0
+
+    def __init__(self, cluster, alloc):
+        self.cluster, self.job = cluster, alloc.job
+
+    def options(self, **options):
+        options.setdefault("master_addr", "127.0.0.1")   # n1, n2 do not resolve
+        return super().options(**options)
+
+    def steps(self):
+        return [list(s) for s in self.cluster.steps(self.job)]
+
+    def step(self, w):
+        """The World's one step of the job (JOB.STEP), named mplaunch-world."""
+        steps = self.steps()
+        assert len(steps) == 1 and steps[0][1] == "mplaunch-world", steps
+        assert steps[0][0].startswith(f"{self.job}."), steps
+        return steps[0][0]
+
+    def check_up(self, w):
+        self.step(w)
+
+    def check_closed(self):
+        deadline = time.monotonic() + 20        # squeue hears of a step's end late
+        while self.steps() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert self.steps() == []
+
+    def step_pids(self, w):
+        """srun, this process's child: the step as this machine holds it."""
+        return {p.pid for p in psutil.Process().children() if p.name() == "srun"}
+
+    def check_names(self, names):
+        # where SLURM put them: node 0 is n1, node 1 is n2
+        assert names == list(self.cluster.nodes[:len(names)]), names
+
+    def check_rank_env(self, w, rank, node, local, got):
+        env = got["env"]
+        assert env["SLURMD_NODENAME"] == w.nodes[node]["name"], (rank, env)
+        # the SLURM task variables are the ranks' (mplaunch rewrites them), as srun gives
+        # each task: its own pid (not its node agent's)
+        assert {k: env.get(k) for k in SLURM_TASK_VARS} == {
+            "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local),
+            "SLURM_NODEID": str(node), "SLURM_NTASKS": str(w.size),
+            "SLURM_TASK_PID": str(got["pid"])}, (rank, env)
+        # in the World's one step of the allocation
+        assert env["SLURM_JOB_ID"] == self.job
+        assert f"{self.job}.{env['SLURM_STEP_ID']}" == self.step(w), (rank, env)
+        # the job's name as this process sees it, not the step's (mplaunch-world)
+        assert env.get("SLURM_JOB_NAME") == os.environ.get("SLURM_JOB_NAME"), env
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+
+
+@pytest.fixture
+def sched(cluster, allocation):
+    return SlurmNodes(cluster, allocation)
+
+
+# -- what only an allocation has --------------------------------------------------------
+
+def test_more_nodes_than_the_allocation_has_is_refused_before_anything_starts(sched):
+    with pytest.raises(ValueError) as info:
+        sched.world(nnodes=3)
+    msg = str(info.value)
+    assert f"(job {sched.job}) has 2 node(s)" in msg and "salloc -N 3" in msg, msg
+    assert sched.steps() == []
+
+
+def test_outside_an_allocation_a_world_across_nodes_says_how_to_get_one(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("SLURM_"):
+            monkeypatch.delenv(name)
+    with pytest.raises(RuntimeError, match="not inside a SLURM allocation"):
+        mplaunch.World(2, nnodes=2, scheduler="slurm", master_addr="127.0.0.1")
+
+
+def test_two_worlds_at_once_each_have_a_step_of_their_own(sched):
+    with sched.world() as w:
+        first = w.run(whoami)
+        [[step, _]] = sched.steps()
+        with sched.world(nprocs=1) as w2:
+            second = w2.run(whoami)
+            both = sched.steps()
+            results = (w.run(allreduce_sum), w2.run(allreduce_sum))
+            seen = world_processes(w) | world_processes(w2)
+        after = sched.steps()
+    job = sched.job
+    assert {g["env"]["SLURM_STEP_ID"] for g in first} == {step.split(".")[1]}
+    second_step = [s for s, _ in both if s != step]
+    assert sorted(both) == sorted([[step, "mplaunch-world"],
+                                   [second_step[0], "mplaunch-world"]]), both
+    assert second_step[0].startswith(f"{job}.")
+    assert [(g["env"]["RANK"], g["env"]["SLURMD_NODENAME"], g["env"]["SLURM_STEP_ID"])
+            for g in second] == [("0", "n1", second_step[0].split(".")[1]),
+                                 ("1", "n2", second_step[0].split(".")[1])]
+    assert results == ([10.0] * 4, [3.0, 3.0])
+    assert after == [[step, "mplaunch-world"]]        # the second World's step ended
+    sched.check_closed()
+    assert alive(seen) == []
+
+
+def test_a_cancelled_step_is_lost_on_both_nodes_and_the_next_run_starts_a_new_step(
+        sched):
+    with sched.world(grace_period=2) as w:
+        assert w.run(allreduce_sum) == [10.0] * 4
+        step = sched.step(w)
+        old = world_processes(w) | sched.step_pids(w)
+        # SLURM kills both agents
+        cancel = subprocess.run(["scancel", step], capture_output=True, text=True,
+                                timeout=30)
+        assert cancel.returncode == 0, cancel.stderr
+        with pytest.raises(mplaunch.WorkerError) as info:
+            w.run(allreduce_sum, timeout=60)
+        assert "was lost" in str(info.value), str(info.value)
+        # the step ended, and every process of the World with it, on both nodes
+        assert alive(old, timeout=20) == []
+        assert w.run(allreduce_sum) == [10.0] * 4
+        assert sched.step(w) != step
+        assert [n["name"] for n in w.nodes] == ["n1", "n2"]
+        assert not set(agents(w)) & old
+
+
+# -- a script of its own inside an allocation -------------------------------------------
 
 def _salloc(cluster, argv, timeout=150, env=None):
     """`salloc -N2 argv...` from the repository root, mplaunch importable."""
@@ -86,163 +248,6 @@ def _run_script(cluster, name, *args, timeout=150):
     checks = _checks(res)
     jobs, procs = _settled(cluster)
     return checks, out, jobs, procs
-
-
-# -- one World through its runs and heals ------------------------------------------------
-
-@pytest.fixture(scope="module")
-def world_nodes(cluster):
-    """world_nodes.py's checks, run once for the tests below."""
-    return _run_script(cluster, "world_nodes.py")
-
-
-def test_ranks_are_split_over_the_nodes_in_global_order(world_nodes):
-    checks, out, _, _ = world_nodes
-    start = checks["start"]
-    assert (start["nprocs"], start["nnodes"], start["size"]) == (2, 2, 4), out
-    assert " nprocs=2 nnodes=2 (4 ranks) " in start["repr"], start["repr"]
-    assert [(n["node"], n["name"]) for n in start["nodes"]] == [(0, "n1"), (1, "n2")]
-    ranks = start["ranks"]
-    assert [r["RANK"] for r in ranks] == ["0", "1", "2", "3"], out
-    assert [r["LOCAL_RANK"] for r in ranks] == ["0", "1", "0", "1"]
-    assert [r["NODE_RANK"] for r in ranks] == ["0", "0", "1", "1"]
-    assert [r["GROUP_RANK"] for r in ranks] == ["0", "0", "1", "1"]
-    assert {r["WORLD_SIZE"] for r in ranks} == {"4"}
-    assert {r["LOCAL_WORLD_SIZE"] for r in ranks} == {"2"}
-    # where SLURM put them: node 0 is n1, node 1 is n2
-    assert [r["SLURMD_NODENAME"] for r in ranks] == ["n1", "n1", "n2", "n2"]
-    # the SLURM task variables are the ranks' (mplaunch rewrites them), in the
-    # World's one step of the allocation
-    assert [r["SLURM_PROCID"] for r in ranks] == ["0", "1", "2", "3"]
-    assert [r["SLURM_LOCALID"] for r in ranks] == ["0", "1", "0", "1"]
-    assert [r["SLURM_NODEID"] for r in ranks] == ["0", "0", "1", "1"]
-    assert {r["SLURM_NTASKS"] for r in ranks} == {"4"}
-    assert {r["SLURM_JOB_ID"] for r in ranks} == {start["job_id"]}
-    assert {r["SLURM_STEP_ID"] for r in ranks} == {"0"}
-    # as srun gives each task: its own pid (not its node agent's)
-    assert [r["SLURM_TASK_PID"] for r in ranks] == [str(r["pid"]) for r in ranks], ranks
-    assert {r["MASTER_ADDR"] for r in ranks} == {"127.0.0.1"}
-    assert [r["pid"] for r in ranks] == [start["pids"][str(i)] for i in range(4)]
-    assert [r["secret"] for r in ranks] == [[]] * 4, "the ranks see the World's secret"
-
-
-def test_more_nodes_than_the_allocation_has_is_refused_before_anything_starts(world_nodes):
-    checks, out, _, _ = world_nodes
-    too_many = checks["too_many"]
-    assert too_many["raised"] == "ValueError", out
-    assert "has 2 node(s)" in too_many["message"] and "salloc -N 3" in too_many["message"]
-    assert too_many["steps"] == []
-
-
-def test_all_reduce_across_the_nodes(world_nodes):
-    checks, out, _, _ = world_nodes
-    assert checks["all_reduce"]["results"] == [10.0] * 4, out
-
-
-def test_exactly_one_step_while_up_and_none_after_close(world_nodes):
-    checks, out, jobs, procs = world_nodes
-    job = checks["start"]["job_id"]
-    assert checks["start"]["steps"] == [[f"{job}.0", "mplaunch-world"]], out
-    # after a heal that replaced a dead rank, and after a timeout: still that one step
-    assert checks["dead"]["steps"] == [[f"{job}.0", "mplaunch-world"]], out
-    assert checks["timeout"]["steps"] == [[f"{job}.0", "mplaunch-world"]], out
-    assert checks["closed"]["steps"] == [], out
-    # the allocation over: no job, no process of it, none of the World's pids
-    assert jobs == [] and procs == [], (jobs, procs, out)
-    assert [p for p in checks["closed"]["pids"] if _alive(p)] == []
-
-
-def test_two_worlds_at_once_each_have_a_step(world_nodes):
-    checks, out, _, _ = world_nodes
-    job = checks["start"]["job_id"]
-    two = checks["two_worlds"]
-    assert two["steps"] == [[f"{job}.0", "mplaunch-world"],
-                            [f"{job}.1", "mplaunch-world"]], out
-    assert [(r["RANK"], r["SLURMD_NODENAME"], r["SLURM_STEP_ID"]) for r in two["ranks"]] \
-        == [("0", "n1", "1"), ("1", "n2", "1")]
-    assert two["results"] == [[10.0] * 4, [3.0, 3.0]]
-    assert two["after"] == [[f"{job}.0", "mplaunch-world"]]
-
-
-def test_an_exception_heals_keeping_ranks_and_state(world_nodes):
-    checks, out, _, _ = world_nodes
-    exc = checks["exception"]
-    assert exc["raised"] == "WorkerError" and exc["rank"] == 2, out
-    assert exc["cause"] == "ValueError('rank 2 says no')"
-    assert exc["healed"].startswith("the world was kept"), exc
-    assert exc["same_pids"] and exc["kept"] == ["state"] * 4, exc
-    assert exc["after"] == [10.0] * 4
-
-
-def test_a_dead_rank_is_replaced_on_its_own_node(world_nodes):
-    checks, out, _, _ = world_nodes
-    dead = checks["dead"]
-    assert dead["raised"] == "WorkerError" and dead["rank"] == 3, out
-    assert dead["signal"] == "SIGKILL"
-    assert "on n2" in dead["message"] and "[on node 1]" in dead["message"], dead["message"]
-    assert "replaced" in dead["healed"], dead["healed"]
-    assert dead["fresh"] == [3]
-    before, after = dead["before"], dead["pids"]
-    assert after["3"] != before["3"]
-    assert {k: after[k] for k in "012"} == {k: before[k] for k in "012"}
-    ranks = dead["ranks"]
-    assert ranks[3]["pid"] == after["3"]
-    assert ranks[3]["SLURMD_NODENAME"] == "n2" and ranks[3]["NODE_RANK"] == "1"
-    assert ranks[3]["LOCAL_RANK"] == "1" and ranks[3]["SLURM_PROCID"] == "3"
-    assert dead["kept"], "the other ranks lost their state"
-    assert dead["all_reduce"] == [10.0] * 4
-    # the same agents: the rank was replaced by its node's agent, not a new step
-    assert dead["nodes"] == checks["start"]["nodes"]
-
-
-def test_a_timeout_heals(world_nodes):
-    checks, out, _, _ = world_nodes
-    t = checks["timeout"]
-    assert t["raised"] == "LaunchTimeout", out
-    assert t["seconds"] < 30, t
-    assert t["same_pids"] and t["healed"].startswith("the world was kept"), t
-    assert t["after"] == [10.0] * 4
-
-
-def test_a_foreign_client_at_the_store_port_does_not_disturb_the_world(world_nodes):
-    checks, out, _, _ = world_nodes
-    junk = checks["junk"]
-    assert junk["results"] == [10.0] * 4 and junk["again"] == [10.0] * 4, out
-    assert junk["pids"] == checks["start"]["pids"]
-
-
-# -- a node's agent killed ---------------------------------------------------------------
-
-def test_a_killed_agent_or_cancelled_step_ends_it_and_the_next_run_starts_anew(cluster):
-    checks, out, jobs, procs = _run_script(cluster, "world_agent_killed.py")
-    up, lost, ended, again = (checks[k] for k in ("up", "lost", "ended", "again"))
-    [[step, name]] = up["steps"]
-    job = step.split(".")[0]
-    assert (step, name) == (f"{job}.0", "mplaunch-world"), out
-    assert lost["raised"] == "WorkerError", out
-    assert "node 1 (n2)" in lost["message"], lost["message"]
-    assert f"pid {up['nodes'][1]['agent_pid']}" in lost["message"]
-    assert lost["rank"] in (2, 3)
-    # the step ended, and every process of the World with it, on both nodes
-    assert ended["step_gone"] and ended["all_gone"], ended
-    # the next run: a new World in a new step, on both nodes
-    assert again["steps"] == [[f"{job}.1", "mplaunch-world"]], again
-    assert [r["node"] for r in again["ranks"]] == ["n1", "n1", "n2", "n2"]
-    assert {r["step"] for r in again["ranks"]} == {"1"}
-    assert not set(r["pid"] for r in again["ranks"]) & set(ended["world_pids"])
-    assert again["all_reduce"] == [10.0] * 4
-    # scancel of the World's step: both nodes lost, then a third step
-    cancel = checks["scancel"]
-    assert cancel["step"] == f"{job}.1" and cancel["scancel_rc"] == 0, cancel
-    assert cancel["step_gone"] and cancel["all_gone"], cancel
-    assert cancel["raised"] == "WorkerError", cancel
-    assert "was lost" in cancel["message"], cancel["message"]
-    assert cancel["steps"] == [[f"{job}.2", "mplaunch-world"]], cancel
-    assert [r["node"] for r in cancel["ranks"]] == ["n1", "n1", "n2", "n2"]
-    assert cancel["all_reduce"] == [10.0] * 4
-    assert checks["closed"]["step_gone"], out
-    assert jobs == [] and procs == [], (jobs, procs, out)
-    assert [p for p in checks["closed"]["pids"] if _alive(p)] == []
 
 
 # -- a Jupyter kernel inside the allocation ----------------------------------------------
@@ -430,76 +435,6 @@ def test_a_batch_job_with_fewer_cpus_on_one_node(cluster, tmp_path):
         assert jobs == [] and procs == [], (jobs, procs, text)
 
 
-# -- foreign clients at the agents' port ----------------------------------------------
-
-def _agent_port(cluster, mode):
-    checks, out, jobs, procs = _run_script(cluster, "world_agent_port.py", mode)
-    assert jobs == [] and procs == [], (jobs, procs, out)
-    check = checks[mode]
-    if not check["connected"]:
-        pytest.skip(f"the foreign client came too late: {check['refused']}")
-    assert check["results"] == [10.0] * 4, out
-    return check, out
-
-
-def test_junk_at_the_agents_port_while_the_world_starts_is_dropped(cluster):
-    check, out = _agent_port(cluster, "junk")
-    assert "does not speak mplaunch's World protocol" in out, out
-
-
-def test_a_silent_client_at_the_agents_port_does_not_hold_the_start_back(cluster):
-    check, out = _agent_port(cluster, "silent")
-    # it was there, and dropped (cut when every agent had joined, or at its timeout)
-    assert "dropped a connection" in out, out
-    assert check["start_seconds"] < 8, check   # a start takes 2-5 s here; 12+ with it
-
-
-# -- fresh ranks on the same nodes -------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def world_restart(cluster):
-    return _run_script(cluster, "world_restart.py")
-
-
-def _no_leftovers(world_restart):
-    _, out, jobs, procs = world_restart
-    assert jobs == [] and procs == [], (jobs, procs, out)
-
-
-def test_restart_across_nodes_leaves_nothing_behind(world_restart):
-    _no_leftovers(world_restart)
-
-
-def test_restart_starts_fresh_ranks_in_the_same_step(world_restart):
-    checks, out, _, _ = world_restart
-    r = checks["restart"]
-    assert r["restart_error"] is None and r["run_error"] is None, r
-    assert [n for n, _ in r["after"]] == ["n1", "n1", "n2", "n2"]
-    assert not {p for _, p in r["after"]} & {p for _, p in r["first"]}
-    assert r["steps"] == r["steps_before"], "restart started another step"
-
-
-def test_heal_false_the_run_after_a_failure_starts_fresh_ranks(world_restart):
-    checks, out, _, _ = world_restart
-    r = checks["no_heal"]
-    assert r["failed"].startswith("WorkerError: rank 1 "), r
-    assert r["run_error"] is None, r
-    assert [n for n, _ in r["after"]] == ["n1", "n1", "n2", "n2"]
-    assert not {p for _, p in r["after"]} & {p for _, p in r["first"]}
-    assert r["steps"] == r["steps_before"], "the fresh ranks came in another step"
-
-
-def test_after_a_nodes_server_was_killed_the_next_run_starts_fresh_ranks(world_restart):
-    checks, out, _, _ = world_restart
-    r = checks["server_killed"]
-    # the run that finds node 1's ranks gone says why
-    assert r["failed"].startswith("WorkerError: rank "), r
-    assert "node 1 (n2), was lost: mplaunch's server on this node" in r["failed"], r
-    # the next one starts fresh ranks on both nodes
-    assert r["run_error"] is None, r
-    assert [n for n, _ in r["after"]] == ["n1", "n1", "n2", "n2"]
-
-
 # -- a frozen node --------------------------------------------------------------------
 
 
@@ -550,15 +485,6 @@ def test_env_callable_is_called_with_each_global_rank(world_options):
     checks, out, _, _ = world_options
     assert checks["env_callable"]["ranks"] == [[str(r), str(r), None] for r in range(4)], \
         checks["env_callable"]
-
-
-def test_stacks_from_another_thread_reach_every_node(world_options):
-    checks, out, _, _ = world_options
-    stacks = checks["stacks"]
-    assert stacks["ranks"] == [0, 1, 2, 3], out
-    # all four in the same place, the sleeper's frame shown
-    assert "ranks 0-3:" in stacks["text"], stacks["text"]
-    assert "in sleeper" in stacks["text"] and "time.sleep(3)" in stacks["text"], stacks
 
 
 def test_log_dir_keeps_every_ranks_output_across_nodes(world_options):

@@ -1,17 +1,21 @@
 """A node's agent in a World across nodes: started once per node by the World's
-scheduler (``python -m mplaunch._agent.agent``: _engine.nodes.schedulers), it connects back to the launching
-process, proves it holds the World's secret (_wire.auth), and then starts, signals and
-reaps that node's ranks from a warm server of its own, as the launching process does on
-one node. Each rank's fds (its result channel, output pipes and stack socket) end here,
-and travel to the launching process as frames on the one connection (_wire.tunnel),
-where _engine.nodes.hub turns them back into fds: the launching process drives remote
-ranks with the code that drives local ones.
+scheduler (``python -m mplaunch._agent.agent``: _engine.nodes.schedulers), it connects
+back to the launching process, proves it holds the World's secret (_wire.auth), then
+starts, signals and reaps that node's ranks from a warm server of its own, as the
+launching process does on one node. Each rank's fds (result channel, output pipes, stack
+socket) end here, and travel to the launching process on the one connection
+(_wire.tunnel), where _engine.nodes.hub turns them back into fds: the launching process
+drives remote ranks with the code that drives local ones. Everything it sends is a
+record of the agent link (_wire.link), handled by the one method its type names
+(_FRONT); rejected: a table of integer kinds with positional bodies (before), whose
+shapes each reader had to know by heart.
 
-The agent runs only what an authenticated launching process sends; it reads its
-address and the secret from its environment (MPLAUNCH_WORLD_ADDR, MPLAUNCH_WORLD_SECRET;
-or the secret comes down its stdin, where the scheduler says so), removes the secret from it before
-anything starts, and ends, with every rank it started, when the connection ends (or
-the process that started it does, where the scheduler names one): nothing of it outlives the World.
+It runs only what an authenticated launching process sends; it reads its address and
+the secret from its environment (MPLAUNCH_WORLD_ADDR, MPLAUNCH_WORLD_SECRET; or the
+secret comes down its stdin, where the scheduler says so), removes the secret from it
+before anything starts, and ends, with every rank it started, when the connection ends
+(or the process that started it does, where the scheduler names one): nothing of it
+outlives the World.
 """
 from __future__ import annotations
 
@@ -29,6 +33,10 @@ from .._engine.env import allowed_cpus
 from .._engine.output import read_pipe
 from .._wire import auth, linux, tunnel
 from .._wire.channel import FramedReader
+from .._wire.link import (Bye, CloseGroup, Closed, Configure, Credit, Drop, Exited, Hello,
+                          NotReady, OpenGroup, Output, Payload, RankMessage, Ready,
+                          ServerLost, SignalGroups, Signaled, SignalRanks, StackBytes,
+                          Started, StartFailed, StartRank, Sweep, Swept, ToRank)
 from .._wire.spec import for_this_node
 
 log = logging.getLogger("mplaunch.agent")
@@ -56,7 +64,7 @@ def node_index(environ=os.environ) -> int:
 
 def node_name(environ=os.environ) -> str:
     """What the output prefix and errors call this node: as its scheduler handed it
-    (on Ray, the node's id), else the host name."""
+    (the node id its scheduler gives), else the host name."""
     return _given(1, environ) or socket.gethostname()
 
 
@@ -81,7 +89,7 @@ class Agent:
         self.cfg = None
         self.spawner = None
         self.ranks: Dict[int, _Rank] = {}
-        self.payloads: Dict[tuple, int] = {}   # key -> memfd (tunnel.PAYLOAD)
+        self.payloads: Dict[tuple, int] = {}   # key -> memfd (link.Payload)
         self.by_pid: Dict[int, int] = {}
         self.done = False
 
@@ -113,61 +121,58 @@ class Agent:
             self.done = True
         self.sel.register(fd, selectors.EVENT_READ, parent_ended)
 
-    def _send(self, kind: int, token: int = 0, body=b"") -> None:
+    def _send(self, record) -> None:
         try:
-            tunnel.send(self.sock, kind, token, body)
+            tunnel.send(self.sock, record)
         except OSError:
             self.done = True    # the launching process is gone: the loop ends
 
     def _on_front(self, sock) -> None:
         try:
-            frame = tunnel.recv(sock)
+            record = tunnel.recv(sock)
         except OSError:
-            frame = None
-        if frame is None:
+            record = None
+        if record is None:
             log.info("mplaunch agent: the launching process closed the connection")
             self.done = True
             return
-        kind, token, body = frame
-        handler = _FRONT.get(kind)
+        handler = _FRONT.get(type(record))
         if handler is None:
-            log.warning("mplaunch agent: unknown frame kind %d ignored", kind)
+            log.warning("mplaunch agent: %r ignored (not a request)", type(record).__name__)
             return
-        handler(self, token, body)
+        handler(self, record)
 
     # -- what the launching process asks -----------------------------------------------
-    def _config(self, _token, body) -> None:
+    def _configure(self, req: Configure) -> None:
         """The World's configuration: start the warm server and place the ranks."""
-        cfg, gpus, cpus = body
-        self.cfg = cfg
+        cfg = self.cfg = req.cfg
         try:
-            placement = devices.place(cfg.nprocs, gpus, cpus, cfg.backend, os.environ,
-                                      allowed_cpus())
+            placement = devices.place(cfg.nprocs, req.gpus, req.cpus, cfg.backend,
+                                      os.environ, allowed_cpus())
             servers.get_server(cfg.server_preload).wait_ready()
         except Exception as exc:  # noqa: BLE001 - said to the launching process
-            self._send(tunnel.READY, 0, {"error": f"{type(exc).__name__}: {exc}"})
+            self._send(NotReady(f"{type(exc).__name__}: {exc}"))
             return
-        self._send(tunnel.READY, 0, {"gpus": placement.gpus, "cpus": placement.cpus})
+        self._send(Ready(placement.gpus, placement.cpus))
 
-    def _open(self, _token, _body) -> None:
+    def _open(self, _req: OpenGroup) -> None:
         self.spawner = spawners.for_config(self.cfg, self)
         self.spawner.open(self.sel)
 
-    def _payload(self, _token, body) -> None:
-        """A payload for this node's ranks, kept until the next one, a DROP or the
+    def _payload(self, payload: Payload) -> None:
+        """A payload for this node's ranks, kept until the next one, a Drop or the
         group's end (_engine.nodes.payloads)."""
-        key, fd = body
-        linux.close_quiet(self.payloads.pop(key, -1))
-        self.payloads[key] = fd
+        linux.close_quiet(self.payloads.pop(payload.key, -1))
+        self.payloads[payload.key] = payload.fd
 
-    def _drop(self, _token, key) -> None:
-        linux.close_quiet(self.payloads.pop(tuple(key), -1))
+    def _drop(self, req: Drop) -> None:
+        linux.close_quiet(self.payloads.pop(tuple(req.key), -1))
 
-    def _start(self, token, body) -> None:
-        spec, key = body
-        spec = for_this_node(spec, self.node_cwd, os.getcwd(), sys.path)
+    def _start(self, req: StartRank) -> None:
+        token = req.token
+        spec = for_this_node(req.spec, self.node_cwd, os.getcwd(), sys.path)
         r = _Rank(token)
-        payload = os.dup(self.payloads[tuple(key)])
+        payload = os.dup(self.payloads[tuple(req.payload)])
         res_ours, res_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -184,19 +189,19 @@ class Agent:
             res_child.close()
             stack_child.close()
             linux.close_quiet(payload, out_w, err_w)
-        self.sel.register(res_ours, selectors.EVENT_READ, lambda _s, r=r: self._from_rank(r))
+        self.sel.register(res_ours, selectors.EVENT_READ,
+                          lambda _s, r=r: self._from_rank(r))
         for which in ("out", "err"):
             self._watch_output(r, which)
         self.sel.register(stack_ours, selectors.EVENT_READ,
                           lambda _s, r=r: self._from_stack(r))
 
-    def _to_rank(self, token, body) -> None:
-        r = self.ranks.get(token)
+    def _to_rank(self, req: ToRank) -> None:
+        r = self.ranks.get(req.token)
         if r is not None and r.reader is not None:
-            data, keys = body
             try:
-                tunnel.deliver_fds(r.reader.sock, data,
-                                   [self.payloads[tuple(k)] for k in keys])
+                tunnel.deliver_fds(r.reader.sock, req.data,
+                                   [self.payloads[tuple(k)] for k in req.payloads])
             except OSError:
                 pass    # the rank is gone: its exit says so
 
@@ -214,11 +219,11 @@ class Agent:
         except KeyError:
             pass    # watched already
 
-    def _credit(self, token, body) -> None:
+    def _credit(self, req: Credit) -> None:
         """The launching process wrote on `n` bytes of a rank's stream: it may send as
         many more, and its pipe is read again if it had been left alone."""
-        which, n = body
-        r = self.ranks.get(token)
+        which, n = req.stream, req.n
+        r = self.ranks.get(req.token)
         if r is None or which not in r.credit or not isinstance(n, int) or n <= 0:
             return
         paused = r.credit[which] <= 0
@@ -226,11 +231,11 @@ class Agent:
         if paused and r.credit[which] > 0 and getattr(r, which) is not None:
             self._watch_output(r, which)
 
-    def _to_stack(self, token, body) -> None:
-        r = self.ranks.get(token)
+    def _to_stack(self, req: StackBytes) -> None:
+        r = self.ranks.get(req.token)
         if r is not None and r.stack is not None:
             try:
-                r.stack.sendall(body)
+                r.stack.sendall(req.data)
             except OSError:
                 pass
 
@@ -238,24 +243,28 @@ class Agent:
         return [self.ranks[t].pid for t in tokens
                 if t in self.ranks and self.ranks[t].pid is not None]
 
-    def _signal(self, how: str, body) -> None:
-        """`how`: the spawner's signal_groups or signal_ranks."""
-        signo, tokens = body
-        pids = self._pids(tokens)
+    def _signal_groups(self, req: SignalGroups) -> None:
+        pids = self._pids(req.tokens)
         if pids and self.spawner is not None:
-            getattr(self.spawner, how)(signo, pids)
-        self._send(tunnel.SIGNALED)   # alive: the launching process times this
+            self.spawner.signal_groups(req.signo, pids)
+        self._send(Signaled())   # alive: the launching process times this
 
-    def _sweep(self, _token, _body) -> None:
+    def _signal_ranks(self, req: SignalRanks) -> None:
+        pids = self._pids(req.tokens)
+        if pids and self.spawner is not None:
+            self.spawner.signal_ranks(req.signo, pids)
+        self._send(Signaled())
+
+    def _sweep(self, _req: Sweep) -> None:
         if self.spawner is not None:
             self.spawner.sweep()
-        self._send(tunnel.SWEPT)
+        self._send(Swept())
 
-    def _close_group(self, _token, _body) -> None:
+    def _close_group(self, _req: CloseGroup) -> None:
         self.close_group()
-        self._send(tunnel.CLOSED)
+        self._send(Closed())
 
-    def _bye(self, _token, _body) -> None:
+    def _bye(self, _req: Bye) -> None:
         self.done = True
 
     def close_group(self) -> None:
@@ -297,14 +306,17 @@ class Agent:
         if r.reader is None:
             return
         for data, fds in r.reader.read_available():
-            self._send(tunnel.FROM_RANK, r.token, (data, tunnel.fd_contents(fds)))
+            try:
+                self._send(RankMessage(r.token, data, tuple(fds)))
+            finally:
+                linux.close_quiet(*fds)
         if r.reader.eof:
             self._unwatch(r.reader.sock)
 
     def _output(self, r: _Rank, which: str, wait: float = 0.0,
                 closing: bool = False) -> bool:
         """Forward what the pipe holds; False once it is empty (or at EOF), or once the
-        stream's credit is spent (its pipe is then left alone until a CREDIT frame).
+        stream's credit is spent (its pipe is then left alone until a Credit).
         `closing`: the group's last output, sent whatever the credit."""
         fd = getattr(r, which)
         if fd is None:
@@ -322,7 +334,7 @@ class Agent:
         chunk = read_pipe(fd)
         if chunk is None:
             return False
-        self._send(tunnel.OUT if which == "out" else tunnel.ERR, r.token, chunk)
+        self._send(Output(r.token, which, chunk))
         r.credit[which] -= len(chunk)
         if chunk and r.credit[which] <= 0 and not closing:
             self._unwatch(fd)   # until the launching process catches up
@@ -339,7 +351,7 @@ class Agent:
             chunk = r.stack.recv(1 << 16)
         except OSError:
             chunk = b""
-        self._send(tunnel.FROM_STACK, r.token, chunk)
+        self._send(StackBytes(r.token, chunk))
         if not chunk:
             self._unwatch(r.stack)
 
@@ -349,7 +361,7 @@ class Agent:
         if r is not None:
             r.pid = pid
             self.by_pid[pid] = token
-        self._send(tunnel.STARTED, token, pid)
+        self._send(Started(token, pid))
 
     def exited(self, pid: int, status: int, max_rss=None, note=None) -> None:
         token = self.by_pid.pop(pid, None)
@@ -358,24 +370,22 @@ class Agent:
         r = self.ranks.get(token)
         if r is not None:
             self._from_rank(r)   # all it sent goes before its exit
-        self._send(tunnel.EXITED, token, (status, max_rss, note))
+        self._send(Exited(token, status, max_rss, note))
 
     def start_failed(self, token: int, reason: str) -> None:
-        self._send(tunnel.START_FAILED, token, reason)
+        self._send(StartFailed(token, reason))
 
     def server_lost(self, pid, how: str) -> None:
-        self._send(tunnel.SERVER_LOST, 0, f"mplaunch's server on this node (pid {pid}) "
-                                          f"{how}")
+        self._send(ServerLost(f"mplaunch's server on this node (pid {pid}) {how}"))
 
 
+# Every record the launching process sends, and the one method that handles it.
 _FRONT = {
-    tunnel.CONFIG: Agent._config, tunnel.OPEN: Agent._open, tunnel.START: Agent._start,
-    tunnel.TO_RANK: Agent._to_rank, tunnel.TO_STACK: Agent._to_stack,
-    tunnel.SIGNAL_GROUPS: lambda a, _t, body: a._signal("signal_groups", body),
-    tunnel.SIGNAL_RANKS: lambda a, _t, body: a._signal("signal_ranks", body),
-    tunnel.SWEEP: Agent._sweep, tunnel.CLOSE_GROUP: Agent._close_group,
-    tunnel.BYE: Agent._bye, tunnel.CREDIT: Agent._credit, tunnel.PAYLOAD: Agent._payload,
-    tunnel.DROP: Agent._drop,
+    Configure: Agent._configure, OpenGroup: Agent._open, StartRank: Agent._start,
+    ToRank: Agent._to_rank, StackBytes: Agent._to_stack, Credit: Agent._credit,
+    SignalGroups: Agent._signal_groups, SignalRanks: Agent._signal_ranks,
+    Sweep: Agent._sweep, CloseGroup: Agent._close_group, Payload: Agent._payload,
+    Drop: Agent._drop, Bye: Agent._bye,
 }
 
 
@@ -422,10 +432,10 @@ def main() -> int:
         log.error("could not join the World at %s: %s", addr, exc)
         return 1
     agent = Agent(sock, node_cwd)
-    info = {"node": node_index(), "name": node_name(), "host": socket.gethostname(),
-            "pid": os.getpid(), "environ": dict(os.environ), "cpus": allowed_cpus()}
+    hello = Hello(node_index(), node_name(), socket.gethostname(), os.getpid(),
+                  dict(os.environ), list(allowed_cpus()))
     try:
-        tunnel.send(sock, tunnel.HELLO, 0, info)
+        tunnel.send(sock, hello)
         agent.serve(int(parent) if parent and parent.isdigit() else None)
     finally:
         agent.close_group()

@@ -48,12 +48,15 @@ import types
 from importlib.machinery import ModuleSpec
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-__all__ = ["ModuleWatch", "RELOAD", "PATCH", "IMPORT"]
+__all__ = ["ModuleWatch", "RELOAD", "PATCH", "IMPORT", "UNFOLLOWED"]
 
 # How a module changed here, and so how the ranks change theirs (_rank.reloads).
 RELOAD = "reload"   # run again in its module object
 PATCH = "patch"     # run again, and its old functions and classes given the new code
 IMPORT = "import"   # a new module object
+# The kind of a rank's note (ahead of its answer) of a module it could not change so:
+# (UNFOLLOWED, name, None, why), as _rank.reloads.follow makes it.
+UNFOLLOWED = "unfollowed"
 
 # IPython's %autoreload in its default mode since IPython 9
 _DEDUPER = "IPython.extensions.deduperreload.deduperreload"

@@ -8,7 +8,16 @@ call, not the ranks; then the ranks are brought back to a state they all agree o
 dead rank replaced on the spot, the process group rebuilt if a collective was left
 half-done) and the error raised says what was kept. What cannot be healed is torn down,
 and the next call starts fresh ranks. One call goes down from the front-end and comes
-back up once, with results or the error to raise.
+back up once, as a Reply: the results or the error to raise, and the ranks' notes.
+
+The modules the calling process reloaded since the last call (_engine.modwatch) go down
+with it: in a frame of their own just before the call's, which the rank reads with it and
+follows (_rank.reloads) before it loads the call's payload, whose function may be pickled
+by reference to a reloaded module; a module it could not reload is a note ahead of its
+answer, as the `__main__` names it kept are. Rejected: the reloads as a call of their own
+(before): two trips down and two answers up for one run, a front-end that drove the
+engine twice, and a rank between the two that had reloaded but not run. The frame is sent
+only where there is a change: a run with none sends what it always sent.
 
 The rank-side functions a heal calls (the set-up, the group's state, the rebuild) live
 in _rank and are given by the front-end (RankCalls): this layer does not import the
@@ -18,10 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
+import pickle
 import sys
-from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Union
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from . import servers, signals
 from .attempt import Attempt
@@ -29,12 +40,14 @@ from .nodes import hub as remote, spawner as nodespawner
 from .nodes.plan import NodesPlan
 from .config import LaunchConfig, node_user_envs, rank_specs, with_streams
 from .heal import CallDriver, consequences_last, what_was_kept
+from .modwatch import UNFOLLOWED
 from .outcome import error_for, results_or_raise
 from .session import Session
 from .timeouts import collect_stacks
 from .._wire import buffers
 from .._wire.buffers import Payload
-from .._wire.messages import RELEASE_SIGNAL
+from .._wire.channel import send_framed
+from .._wire.messages import CALL_TAG, RELEASE_SIGNAL
 from .._wire.payload import dumps_payload
 from .._wire.stacks import RankStacks
 from ..errors import MainProcessError
@@ -50,6 +63,19 @@ class RankCalls:
     setup: Callable
     group_state: Callable
     rebuild: Callable
+
+
+@dataclass
+class Reply:
+    """What one call came back with, for the front-end to present: every rank's value,
+    or the error to raise; the modules of the calling process's reloads that some ranks
+    could not follow ({name: {why: ranks}}); and what the ranks did with its `__main__`
+    values that it should be told of ({a KeptGlobals entry: ranks}, _wire.mainglobals).
+    The notes are there also where the call failed or tore the ranks down."""
+    values: Optional[list] = None
+    error: Optional[BaseException] = None
+    unfollowed: Dict[str, Dict[str, List[int]]] = field(default_factory=dict)
+    kept: Dict[tuple, List[int]] = field(default_factory=dict)
 
 
 class Serving:
@@ -68,7 +94,7 @@ class Serving:
         self.fresh: List[int] = []    # the ranks that are fresh processes since the last call
         self._stack: Optional[contextlib.ExitStack] = None
         self._generation = 0          # how many times ranks were started
-        self._called = None           # the group of the last call (take_kept_globals)
+        self._called = None           # the group of the last call (its notes: _take_notes)
 
     @property
     def up(self) -> bool:
@@ -100,8 +126,8 @@ class Serving:
         try:
             make_spawner = None
             if self.nodes is not None:
-                hub = self._nodes_hub()
-                make_spawner = lambda c, events: nodespawner.RemoteSpawner(c, events, hub)  # noqa: E731
+                make_spawner = functools.partial(nodespawner.RemoteSpawner,
+                                                 hub=self._nodes_hub())
             # The first "call" is the set-up: the ranks start from it.
             session = stack.enter_context(
                 Session(cfg, dumps_payload(self.calls.setup, (self.backend,), {}),
@@ -185,14 +211,35 @@ class Serving:
         self.fresh = list(range(cfg.world_size))
 
     # -- a call ----------------------------------------------------------------------
-    def call(self, payload: Union[bytes, Payload], timeout: Optional[float]) -> list:
-        """Every rank's result of `payload`, or raise what launch() would (healed first
-        where it can be, ``err.healed`` saying what was kept)."""
+    def call(self, payload: Union[bytes, Payload], timeout: Optional[float],
+             reloads: Sequence[Tuple[str, str]] = ()) -> Reply:
+        """One call, down once and up once: every rank changes the modules of `reloads`
+        ((name, how): _engine.modwatch) as the calling process did, then runs `payload`.
+        Raises nothing the call ended with: the Reply holds every rank's result, or what
+        launch() would raise (healed first where it can be, ``err.healed`` saying what
+        was kept), and the ranks' notes."""
+        reply = Reply()
+        try:
+            reply.values = self._call(payload, timeout, reloads)
+        except BaseException as exc:  # noqa: BLE001 - the front-end raises it
+            reply.error = exc
+        group, self._called = self._called, None
+        _take_notes(group, reply)
+        return reply
+
+    def _call(self, payload: Union[bytes, Payload], timeout: Optional[float],
+              reloads: Sequence[Tuple[str, str]]) -> list:
         self.start()
         self.fresh = []
         attempt = self.attempt
         self._called = attempt.group
-        send = lambda: self._send(payload)  # noqa: E731
+        ahead = (CALL_TAG + pickle.dumps(tuple(reloads), pickle.HIGHEST_PROTOCOL)
+                 if reloads else None)
+
+        def send() -> None:
+            if ahead is not None:
+                self._send_ahead(ahead)
+            self._send(payload)
         if not self.heal:
             return self._wait_replies(timeout, send=send)
         group = attempt.group
@@ -218,17 +265,13 @@ class Serving:
             error.healed = kept
         raise error
 
-    def take_kept_globals(self) -> Dict[tuple, List[int]]:
-        """{what was said (a KeptGlobals entry): ranks} of what the ranks did with the
-        calling process's `__main__` values in the calls since the last look
-        (_wire.mainglobals), also after a call that failed or tore the ranks down."""
-        group, self._called = self._called, None
-        kept: Dict[tuple, List[int]] = {}
-        for r in group.ranks if group is not None else ():
-            for said in r.kept_globals:
-                kept.setdefault(said, []).append(r.spec.rank)
-            r.kept_globals = ()
-        return kept
+    def _send_ahead(self, ahead: bytes) -> None:
+        """The frame that goes ahead of a call to every rank: its reloads."""
+        for r in self.attempt.group.ranks:
+            try:
+                send_framed(r.reader.sock, ahead)
+            except OSError:
+                pass  # a rank is gone: the call's send and the loop find out
 
     def _send(self, payload: Union[bytes, Payload]) -> None:
         group = self.attempt.group
@@ -345,6 +388,22 @@ class Serving:
             results_or_raise(attempt)    # raises what stopped it
             raise RuntimeError("a rank did not answer mplaunch's own call")
         return [r.result for r in ranks]
+
+
+def _take_notes(group, reply: Reply) -> None:
+    """Into `reply`, by rank: the notes `group`'s ranks sent ahead of their answers to
+    the calls since the last look (KeptGlobals entries, (kind, name, token, why)): a
+    module a rank could not reload (modwatch.UNFOLLOWED), or what it did with the
+    calling process's `__main__` values (_wire.mainglobals)."""
+    for r in group.ranks if group is not None else ():
+        for note in r.kept_globals:
+            kind, name, _, why = note
+            if kind == UNFOLLOWED:
+                reply.unfollowed.setdefault(name, {}).setdefault(why, []).append(
+                    r.spec.rank)
+            else:
+                reply.kept.setdefault(note, []).append(r.spec.rank)
+        r.kept_globals = ()
 
 
 def _disagree(states: list) -> bool:

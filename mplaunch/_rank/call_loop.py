@@ -2,7 +2,12 @@
 its result socket, answering each with one message, until that socket closes.
 
 A call is a framed message whose single fd is a memfd holding the pickled function and
-arguments, as for a launch; the answer is the usual result or exception message.
+arguments, as for a launch; the answer is the usual result or exception message. Where
+the calling process reloaded modules since the last call, a frame without an fd comes
+just before it: the call's tag and the pickled changes, which the rank follows
+(_rank.reloads) before it loads the payload. Rejected: the changes inside the payload,
+whose format (_wire.payload) every launch shares; a frame of their own costs a run that
+changed nothing nothing.
 
 SIGINT (sent by a healing World to ranks that have not answered) raises KeyboardInterrupt
 in the call's code, as Ctrl-C does in a notebook, and never in our own plumbing: a rank
@@ -16,12 +21,14 @@ traceback (_rank.heal).
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import socket
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from .._wire.channel import recv_framed
+from .._wire.messages import CALL_TAG
 
 _state: Dict[str, Any] = {}
 
@@ -33,29 +40,34 @@ def rank_state() -> Dict[str, Any]:
     return _state
 
 
-def serve(sock: socket.socket, payload_fd: int, call: Callable[[int], int]) -> int:
-    """Run calls until the parent closes the socket; the exit code (0). `payload_fd` is
-    the first call's; each call's payload stays open until the next one's has replaced
-    it (the rank's children read its `__main__` definitions there)."""
+def serve(sock: socket.socket, payload_fd: int, call: Callable[[int, tuple], int]) -> int:
+    """Run calls, ``call(payload fd, reloads)``, until the parent closes the socket; the
+    exit code (0). `payload_fd` is the first call's; each call's payload stays open until
+    the next one's has replaced it (the rank's children read its `__main__` there)."""
     while True:
-        fd = _next_call(sock)
-        if fd is None:
+        got = _next_call(sock)
+        if got is None:
             return 0
-        call(fd)
+        call(*got)
         os.close(payload_fd)
-        payload_fd = fd
+        payload_fd = got[0]
 
 
-def _next_call(sock: socket.socket) -> Optional[int]:
-    """Block for the next call's payload fd; None once the parent has closed its end."""
+def _next_call(sock: socket.socket) -> Optional[Tuple[int, tuple]]:
+    """Block for the next call: its payload fd and the (name, how) module changes that
+    came ahead of it (mostly none); None once the parent has closed its end."""
+    reloads: tuple = ()
     data, fds = recv_framed(sock)
+    while data is not None and not fds and len(data) > 1 and data[:1] == CALL_TAG:
+        reloads = pickle.loads(data[1:])
+        data, fds = recv_framed(sock)
     if data is None or not fds:
         for fd in fds:
             os.close(fd)
         return None
     for fd in fds[1:]:
         os.close(fd)
-    return fds[0]
+    return fds[0], reloads
 
 
 # This module is plumbing: see PLUMBING.

@@ -1,8 +1,9 @@
 """In a World's rank: change the modules the calling process changed (found there by
-_engine.modwatch) the same way, before the call that follows, so that the rank runs
-what the caller runs. mplaunch's own call, sent by reference, that never fails the run:
-a module that does not reload is restored as it was and reported, with why; the
-World says which ranks run what (_world.World._follow_reloads).
+_engine.modwatch) the same way, before the call they came with loads its payload, so that
+the rank runs what the caller runs. Never fails the call: a module that does not reload
+is restored as it was and noted, with why, ahead of the call's answer; the World says
+which ranks run what (mplaunch._world_notes). Rejected: a call of its own for the
+reloads, sent by reference before the run's (before): two trips for one run.
 
 How each module changed in the caller decides what the rank does: reloaded
 (``importlib.reload``), the rank reloads it, and objects it made from the old module (an
@@ -19,11 +20,27 @@ import types
 import weakref
 from typing import Dict, List, Sequence, Tuple
 
-__all__ = ["reload_modules"]
+from .call_loop import accept_interrupts
 
-# How a module changed in the caller (_engine.modwatch's names; not imported from there,
-# which the ranks never need otherwise).
-PATCH, IMPORT = "patch", "import"
+__all__ = ["follow", "reload_modules"]
+
+# How a module changed in the caller, and the kind of the note of one that a rank could
+# not change so (_engine.modwatch's names; not imported from there, which the ranks never
+# need otherwise).
+PATCH, IMPORT, UNFOLLOWED = "patch", "import", "unfollowed"
+
+
+def follow(changes: Sequence[Tuple[str, str]]) -> List[tuple]:
+    """A World's call's `changes`, before its payload is loaded (its function may be
+    pickled by reference to a reloaded module), with the call's window open: a module's
+    top is the user's code, which the World's interrupt must reach. A note (UNFOLLOWED,
+    name, None, why) for each module this rank runs as it had it."""
+    accept_interrupts(True)
+    try:
+        failed = reload_modules(changes)
+    finally:
+        accept_interrupts(False)
+    return [(UNFOLLOWED, name, None, why) for name, why in failed.items()]
 
 
 def reload_modules(changes: Sequence[Tuple[str, str]]) -> Dict[str, str]:

@@ -15,7 +15,8 @@ import signal
 import sys
 import time
 
-from . import cells, collectives, heal, procgroup, rendezvous, call_loop as serving, streams
+from . import (cells, collectives, heal, procgroup, reloads, rendezvous,
+               call_loop as serving, streams)
 # Imported here, not when first used: the server imports this module before it forks
 # any rank (a forked rank finds them loaded), and every rank needs them.
 from .._wire import buffers, linux, mainglobals, mainmod, payload as wire_payload
@@ -184,15 +185,15 @@ def _run_and_report(spec, fds: dict) -> int:
     if spec.serve:
         # A World's rank: more calls follow, until the parent ends the world.
         return serving.serve(sock, fds["payload"],
-                             lambda fd: _call_and_report(sock, spec, fd))
+                             lambda fd, changes: _call_and_report(sock, spec, fd, changes))
     return code
 
 
-def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
-    """Run what the payload in `payload_fd` holds (or the spec's script), send one
-    message: the result or the exception. Returns the exit code that outcome calls for.
-    The payload stays open: the rank's spawn and forkserver children read the
-    definitions of its __main__ from it. Its large buffers are mapped, not read."""
+def _call_and_report(sock, spec, payload_fd: int, changes=(), first: bool = False) -> int:
+    """Run what the payload in `payload_fd` holds (or the spec's script), after the
+    caller's module `changes` (_rank.reloads); send one message: the result or the
+    exception; the exit code that calls for. The payload stays open (the rank's spawn and
+    forkserver children read its __main__ there); its large buffers are mapped, not read."""
     payload, inputs = buffers.read_payload(payload_fd)
     # A World's rank: what tells its exception from the World's ending of the call.
     began = heal.call_begins() if spec.serve else None
@@ -206,12 +207,13 @@ def _call_and_report(sock, spec, payload_fd: int, first: bool = False) -> int:
             serving.accept_interrupts(True)
             value = _run_script(spec.script.target, spec.script.kind)
         else:
+            notes = reloads.follow(changes) if changes else []   # before the load
             func, args, kwargs = wire_payload.loads_payload(
                 payload, mainmod.publish(payload_fd), inputs)
             del payload, inputs
-            kept = mainglobals.take_kept()
-            if kept:
-                _send(sock, KeptGlobals(tuple(kept)))   # the caller warns, once per name
+            notes += mainglobals.take_kept()
+            if notes:
+                _send(sock, KeptGlobals(tuple(notes)))   # the caller warns
             # The World's interrupt may end the call's own code, never mplaunch's
             # calls of a heal (the group's state, its rebuild) nor their set-up.
             serving.accept_interrupts(not serving.own_call(func))

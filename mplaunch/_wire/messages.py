@@ -14,7 +14,13 @@ Three links carry them (framing in _wire.channel):
 - a rank's *result socket* (rank <-> launching process): the rank answers each call
   with :class:`Returned` or :class:`Raised`, or with a result pickled with its tensors in
   shared memory (:data:`RESULT_TAG`), after a :class:`KeptGlobals` note where it has
-  one; a World's rank gets each further call as :data:`CALL_TAG` with the payload's fd.
+  one; a World's rank gets each further call as :data:`CALL_TAG` with the payload's fd,
+  after a :data:`CALL_TAG` frame without an fd carrying the modules to reload first,
+  where the launching process reloaded some since the last call.
+
+A World across nodes adds a fourth link, the *agent link* (launching process <-> a node's
+agent, over TCP): its records, made the same way, are in _wire.link, since a rank there
+is named by its token and not its pid.
 
 Records are NamedTuples, so they pickle small and fast (the class by reference, the
 fields as a tuple) and every reader names the field it wants. Each carries its ``tag``
@@ -168,7 +174,9 @@ class KeptGlobals(NamedTuple):
     with values the call brought from the caller that the caller should be told of
     (_wire.mainglobals): each a (kind, name, token, why) tuple, "kept" for a name its
     own code bound and kept over the caller's value, or a caller's object that took
-    the place of one the ranks had changed; said once per caller object and reason."""
+    the place of one the ranks had changed; said once per caller object and reason.
+    Also ("unfollowed", module, None, why): a module the rank could not reload before
+    the call (_rank.reloads)."""
     tag = "kept"
     names: Tuple[tuple, ...]
 

@@ -1,32 +1,44 @@
 """The launching side of a World across nodes: its one step of node agents
 (_agent.agent, started by the World's scheduler: _engine.nodes.schedulers), the
-authenticated connection to each
-(_wire.auth, _wire.tunnel); RemoteSpawner (_engine.nodes.spawner), the spawner
-that starts, signals and reaps ranks through them, uses it.
+authenticated link to each (_wire.auth, _wire.tunnel), and the one place where the
+launching side's pieces meet: the pump (_engine.nodes.pump), the payloads each node
+holds (_engine.nodes.payloads) and the current group's spawner (_engine.nodes.spawner,
+RemoteSpawner, which starts, signals and reaps ranks through the agents).
 
 Every remote rank gets the fds a local one gets (result channel, output pipes, stack
-socket): RemoteSpawner keeps the rank's ends, and the pump (_engine.nodes.pump) copies
-between them and the node's connection, so the RankGroup, the heal and the relay that
-drive one node's ranks drive these, unchanged. Reports (started, exited, a lost node)
-reach the group in its own thread, through a queue and a pipe on its selector.
+socket): the pump keeps the rank's ends and copies between them and the node's link, so
+the RankGroup, the heal and the relay that drive one node's ranks drive these, unchanged.
+Every record an agent sends (_wire.link) is routed once, by its type, in Hub.received
+(in the pump's thread): a rank's bytes to the pump, a signal's answer to its link, and
+the group's reports (started, exited, a lost node) through Hub.report to the current
+spawner's handler, run in the group's own thread (a queue and a pipe on its selector).
+
+Rejected: pieces that reach into each other (the spawner into the pump's payloads and
+proxies, the pump into the spawner), which tied each to the others' private state; they
+ask the Hub, whose methods say what the launching side does with the nodes.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
-import queue
 import socket
 import tempfile
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from ..config import LaunchConfig
-from .pump import Pump
 from .agents import NodesError, agent_argv, join_addr, listen
+from .joining import Joining, NodeInfo
+from .payloads import NodePayloads
+from .pump import Pump
 from .schedulers import AgentLaunch, Scheduler, Step
 from ..._wire import auth, tunnel
+from ..._wire.link import (Bye, Closed, Configure, Exited, NotReady, OpenGroup,
+                           Output, RankMessage, Ready, ServerLost, Signaled, StackBytes,
+                           Started, StartFailed, StartRank, Swept, ToRank)
+from ..._wire.spec import RankSpec
 
 log = logging.getLogger("mplaunch")
 __mplaunch_plumbing__ = True
@@ -34,16 +46,17 @@ __mplaunch_plumbing__ = True
 JOIN_TIMEOUT = 120.0     # for every agent to connect and prove itself
 
 
-@dataclasses.dataclass
-class NodeInfo:
-    index: int
-    name: str
-    host: str
-    pid: int
-    environ: Dict[str, str]
-    cpus: List[int]
-    gpus: Optional[tuple] = None
-    placed_cpus: Optional[tuple] = None
+class LinkLost(NamedTuple):
+    """The launching side's own report, never sent: a node's link ended, or its agent
+    stopped answering (RemoteSpawner's checks)."""
+    tag = "link-lost"
+    why: str
+
+
+# The report records, and the current spawner's handler of each (Hub.report).
+_REPORTS = {Started: "on_started", Exited: "on_exited", StartFailed: "on_start_failed",
+            ServerLost: "on_server_lost", LinkLost: "on_link_lost", Swept: "on_answer",
+            Closed: "on_answer"}
 
 
 class Link:
@@ -59,16 +72,25 @@ class Link:
         self.reading = False              # the pump is reading a frame of it now
         self.heard = time.monotonic()     # when the pump last read one
 
-    def send(self, kind: int, token: int = 0, body=b"") -> bool:
+    def send(self, record) -> bool:
+        """`record` (_wire.link) to the agent; False if the link is lost."""
         if self.lost is not None:
             return False
         try:
             with self.lock:
-                tunnel.send(self.sock, kind, token, body)
+                tunnel.send(self.sock, record)
             return True
         except OSError as exc:
             self.lost = self.lost or f"its connection failed ({exc})"
             return False
+
+    def send_signal(self, record) -> Optional[int]:
+        """A signal request (SignalGroups, SignalRanks), counted: its number, which
+        `acked` reaches once the agent answered it; None if the link is lost."""
+        if not self.send(record):
+            return None
+        self.signals += 1
+        return self.signals
 
     def describe(self) -> str:
         i = self.info
@@ -92,9 +114,11 @@ class Hub:
         self.links: List[Link] = []
         self.step: Optional[Step] = None
         self._step_log = None
-        self.pump: Optional[Pump] = None
-        self.spawner = None  # the current group's (_engine.nodes.spawner), hears reports
-        self.dropped = 0     # connections that failed to prove themselves
+        self._pump: Optional[Pump] = None
+        self._payloads = NodePayloads()   # which payload each node holds
+        self._spawner = None  # the current group's (_engine.nodes.spawner): Hub.report
+        self._routes: Dict[type, object] = {}
+        self.dropped = 0     # connections dropped at the agent port (each logged)
 
     @property
     def broken(self) -> bool:
@@ -125,9 +149,88 @@ class Hub:
             raise
         listener.close()    # every agent is in: nobody else gets to connect
         self._configure()
-        self.pump = Pump(self)
+        self._pump = pump = Pump(self)
+        self._routes = {Output: pump.output, StackBytes: pump.from_stack,
+                        RankMessage: pump.from_rank, Signaled: self._signaled,
+                        **{kind: self.report for kind in _REPORTS}}
+        pump.start()
         self.step.watch(self._node_ended)   # a scheduler that learns of a lost node
         return self
+
+    # -- what the agents say (in the pump's thread) --------------------------------------
+    def received(self, link: Link, record) -> None:
+        """The launching side's one dispatch of what the agents send: each record to the
+        one that handles it."""
+        route = self._routes.get(type(record))
+        if route is None:
+            log.warning("mplaunch: %s from %s ignored", type(record).__name__,
+                        link.describe())
+            return
+        route(link, record)
+
+    @staticmethod
+    def _signaled(link: Link, _record: Signaled) -> None:
+        link.acked += 1
+
+    def report(self, link: Link, record) -> None:
+        """The one way a report (a record of _REPORTS) reaches the group: the current
+        spawner's handler of it, run in the group's thread; with no group, nobody hears."""
+        spawner = self._spawner
+        if spawner is not None:
+            spawner.post(getattr(spawner, _REPORTS[type(record)]), link, record)
+
+    def lose(self, link: Link, why: str) -> None:
+        """`link`'s node is lost (its connection ended, or its agent stopped answering):
+        the group hears."""
+        link.lost = link.lost or why
+        self.report(link, LinkLost(link.lost))
+
+    # -- what the group asks (in its thread; a call, in the pump's) ----------------------
+    def open_group(self, spawner) -> None:
+        """`spawner`'s group begins: it hears the reports from now on, each agent opens a
+        launch channel, and a node lost already is reported at once."""
+        self._spawner = spawner
+        for link in self.links:
+            link.send(OpenGroup())
+        for link in self.links:
+            if link.lost is not None:
+                self.report(link, LinkLost(link.lost))
+
+    def end_group(self, spawner) -> None:
+        """`spawner`'s group ended (after CloseGroup): nobody hears the reports."""
+        if self._spawner is spawner:
+            self._spawner = None
+
+    def broadcast(self, record) -> List[Link]:
+        """`record` to every agent: the links it reached."""
+        return [link for link in self.links if link.send(record)]
+
+    def add_rank_proxy(self, token: int, link: Link, fds: Sequence[int]) -> None:
+        """The pump copies between rank `token`'s child ends `fds` and `link`."""
+        self._pump.add_proxy(token, link, fds)
+
+    def drop_rank_proxy(self, token: int) -> None:
+        self._pump.drop_proxy(token)
+
+    def start_rank(self, link: Link, token: int, spec: RankSpec,
+                   fds: Sequence[int]) -> None:
+        """Start rank `token` on `link`'s node with the child ends `fds` (RANK_FDS
+        order), its payload sent there first unless the node holds it; a lost node is
+        reported as the rank's failure to start."""
+        self.add_rank_proxy(token, link, fds)
+        if not self._payloads.send(link, [fds[0]],
+                                   lambda keys: StartRank(token, spec, keys[0])):
+            self.report(link, StartFailed(token, f"{link.describe()} is lost: {link.lost}"))
+
+    def call_rank(self, link: Link, token: int, data: bytes, fds: Sequence[int]) -> bool:
+        """A message for a remote rank's channel (a call): its payloads go to the node
+        once, for all its ranks. False if the link is lost."""
+        return self._payloads.send(link, list(fds),
+                                   lambda keys: ToRank(token, data, tuple(keys)))
+
+    def drop_payloads(self) -> None:
+        """The group ended: its agents dropped theirs (CloseGroup)."""
+        self._payloads.clear()
 
     def _node_ended(self, index: int, why: str) -> None:
         """The scheduler says node `index`'s agent ended: its link is cut at once, and
@@ -145,11 +248,11 @@ class Hub:
 
     def _accept(self, listener: socket.socket, secret: str) -> None:
         """Every agent in, each having proved the secret. Each connection proves itself
-        in a thread of its own (_Joining): a client that connects and says nothing holds
-        up nobody but itself."""
+        in a thread of its own (joining.Joining): a client that connects and says
+        nothing holds up nobody but itself."""
         end = time.monotonic() + self.join_timeout
         links: Dict[int, Link] = {}
-        joining = _Joining(secret, self)
+        joining = Joining(secret, self)
         listener.settimeout(0.1)
         try:
             while len(links) < self.nnodes:
@@ -168,9 +271,9 @@ class Hub:
                 for sock, node in joining.joined():
                     if node.index in links or not 0 <= node.index < self.nnodes:
                         sock.close()
-                        raise NodesError(f"two agents (or one out of range) said they are "
-                                         f"node {node.index} of {self.nnodes}: is each node "
-                                         f"given one task? {self._step_said()}")
+                        raise NodesError(f"two agents (or one out of range) said they "
+                                         f"are node {node.index} of {self.nnodes}: is each "
+                                         f"node given one task? {self._step_said()}")
                     sock.settimeout(None)
                     tunnel.keepalive(sock)
                     links[node.index] = Link(sock, node)
@@ -188,25 +291,24 @@ class Hub:
         cfg = dataclasses.replace(self.cfg, stdout=None, stderr=None)
         gpus, cpus = self.placement_args
         for link in self.links:
-            link.send(tunnel.CONFIG, 0, (cfg, gpus, cpus))
+            link.send(Configure(cfg, gpus, cpus))
         for link in self.links:
             link.sock.settimeout(300.0)
             try:
-                frame = tunnel.recv(link.sock)
+                ready = tunnel.recv(link.sock)
             except OSError as exc:
-                frame = None
+                ready = None
                 link.lost = str(exc)
             finally:
                 if link.sock.fileno() != -1:
                     link.sock.settimeout(None)
-            if frame is None or frame[0] != tunnel.READY:
+            if isinstance(ready, NotReady):
+                raise NodesError(f"{link.describe()} cannot run this World: "
+                                 f"{ready.reason}")
+            if not isinstance(ready, Ready):
                 raise NodesError(f"{link.describe()}'s agent ended while starting; "
                                  f"{self._step_said()}")
-            ready = frame[2]
-            if "error" in ready:
-                raise NodesError(f"{link.describe()} cannot run this World: "
-                                 f"{ready['error']}")
-            link.info.gpus, link.info.placed_cpus = ready["gpus"], ready["cpus"]
+            link.info.gpus, link.info.placed_cpus = ready.gpus, ready.cpus
 
     def _step_said(self) -> str:
         out = self._step_log
@@ -229,10 +331,11 @@ class Hub:
         if self.broken:
             grace = min(grace, 3.0)
         for link in self.links:
-            link.send(tunnel.BYE)
-        pump, self.pump = self.pump, None
+            link.send(Bye())
+        pump, self._pump = self._pump, None
         if pump is not None:
             pump.stop()
+        self._payloads.clear()
         for link in self.links:
             try:
                 link.sock.shutdown(socket.SHUT_RDWR)
@@ -246,72 +349,3 @@ class Hub:
         if self._step_log is not None:
             self._step_log.close()
             self._step_log = None
-
-
-class _Joining:
-    """Connections to the agent port proving themselves, each in a thread."""
-    MAX = 64    # more at once than any allocation's agents: refused at once
-
-    def __init__(self, secret: str, hub: "Hub"):
-        self.secret, self.hub = secret, hub
-        self.lock = threading.Lock()
-        self.pending: Dict[socket.socket, object] = {}
-        self.done: "queue.Queue" = queue.Queue()
-        self.over = False
-
-    def begin(self, sock: socket.socket, peer) -> None:
-        with self.lock:
-            if len(self.pending) >= self.MAX:
-                self._drop(sock, peer, "too many connections proving themselves at once")
-                return
-            self.pending[sock] = peer
-        threading.Thread(target=self._prove, args=(sock, peer), daemon=True,
-                         name="mplaunch-join").start()
-
-    def _drop(self, sock, peer, why) -> None:
-        self.hub.dropped += 1
-        log.warning("mplaunch dropped a connection from %s to the World's agent port: %s",
-                    peer, why)
-        sock.close()
-
-    def _prove(self, sock: socket.socket, peer) -> None:
-        try:
-            auth.prove(sock, self.secret, server=True, timeout=10.0)
-            sock.settimeout(30.0)
-            frame = tunnel.recv(sock)     # unpickled only now: the peer proved itself
-            if frame is None or frame[0] != tunnel.HELLO:
-                raise auth.AuthError("no hello after its proof")
-            info = frame[2]
-            node = NodeInfo(int(info["node"]), str(info["name"]), str(info["host"]),
-                            int(info["pid"]), dict(info["environ"]), list(info["cpus"]))
-        except (OSError, auth.AuthError, ValueError, KeyError, TypeError) as exc:
-            with self.lock:
-                self.pending.pop(sock, None)
-            self._drop(sock, peer, exc)
-            return
-        with self.lock:
-            self.pending.pop(sock, None)
-            if self.over:
-                sock.close()
-                return
-            self.done.put((sock, node))
-
-    def joined(self):
-        while True:
-            try:
-                yield self.done.get_nowait()
-            except queue.Empty:
-                return
-
-    def end(self) -> None:
-        """No more joining: the connections still proving themselves are cut."""
-        with self.lock:
-            self.over = True
-            pending = list(self.pending)
-        for sock in pending:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for sock, _node in self.joined():
-            sock.close()

@@ -1,14 +1,16 @@
 """Which payload each node's agent holds, in a World across nodes: a start's or a call's
 payload (its large inputs included) crosses to a node once, whatever the number of its
-ranks, and the frames that start or call them name it by its key.
+ranks, and the records that start or call them (_wire.link.StartRank, ToRank) name it by
+its key. The Hub owns its nodes' one NodePayloads (Hub.start_rank, call_rank,
+drop_payloads); each node's NodeInfo.payloads counts the payloads it was sent.
 
 One payload per node at a time: the agent keeps the last one it was sent (its ranks
-map their own copies of what they use), and the next one, a DROP or the group's end
+map their own copies of what they use), and the next one, a Drop or the group's end
 frees it. The key is the file's (device, inode), unique while the file is open: this side
 holds a dup of the file for as long as a node holds it, so that no new file can take the
 key meanwhile.
 
-Rejected: the payload's bytes in every rank's START or TO_RANK frame (before): one copy
+Rejected: the payload's bytes in every rank's start or call record (before): one copy
 per rank over the network and in the agent's memory. And a per-node cache of several
 payloads: a rank that dropped its inputs would find them kept alive on its node.
 """
@@ -20,6 +22,7 @@ from typing import Callable, Dict, List, Tuple
 
 from .. import servers
 from ..._wire import tunnel
+from ..._wire.link import Drop, Payload
 
 __mplaunch_plumbing__ = True
 
@@ -31,12 +34,11 @@ class NodePayloads:
     def __init__(self):
         self._lock = threading.Lock()
         self._held: Dict[int, Tuple[Tuple[int, int], int]] = {}   # node -> (key, our dup)
-        self.sent = 0   # PAYLOAD frames sent (tests count them)
 
-    def send(self, link, kind: int, token: int, fds: List[int],
-             body: Callable[[list], object]) -> bool:
-        """Send the frame `kind` whose `body(keys)` names the payloads in `fds`, each sent
-        to the link's node first unless it holds it already; False if the link is lost."""
+    def send(self, link, fds: List[int], record: Callable[[list], object]) -> bool:
+        """Send the record `record(keys)`, which names the payloads in `fds` by their
+        keys, each sent to the link's node first unless it holds it already; False if
+        the link is lost."""
         with self._lock:
             keys = []
             for fd in fds:
@@ -44,7 +46,7 @@ class NodePayloads:
                 if key is None:
                     return False
                 keys.append(key)
-            return link.send(kind, token, body(keys))
+            return link.send(record(keys))
 
     def _ensure(self, link, fd: int):
         node = link.info.index
@@ -54,18 +56,12 @@ class NodePayloads:
             return key
         if held is not None:
             self._drop(node)
-            if not link.send(tunnel.DROP, 0, held[0]):
+            if not link.send(Drop(held[0])):
                 return None
-        if link.lost is not None:
-            return None
-        try:
-            with link.lock:
-                tunnel.send_payload(link.sock, key, fd)
-        except OSError as exc:
-            link.lost = link.lost or f"its connection failed ({exc})"
+        if not link.send(Payload(key, fd)):
             return None
         self._held[node] = (key, servers.own_fd(os.dup(fd)))
-        self.sent += 1
+        link.info.payloads += 1
         return key
 
     def _drop(self, node: int) -> None:
@@ -74,7 +70,7 @@ class NodePayloads:
             servers.close_fd(held[1])
 
     def clear(self) -> None:
-        """The group ended: its agents dropped theirs (CLOSE_GROUP)."""
+        """The group ended: its agents dropped theirs (CloseGroup)."""
         with self._lock:
             for node in list(self._held):
                 self._drop(node)

@@ -1,9 +1,18 @@
 """The pump of a World across nodes: one thread that copies between each remote rank's
-fds (the ends a local rank's process would hold, kept here) and its node's connection,
-in both directions, so that the RankGroup reads and writes remote ranks' fds as it does
-local ones. Output is written without blocking (what a pipe cannot take waits here), so
-one rank's unread output never stops the others' frames; what waits here is bounded by
-the agents' output window (tunnel.OUTPUT_WINDOW), given back as it is written on."""
+fds (the ends a local rank's process would hold, kept here) and its node's link, in
+both directions, so that the RankGroup reads and writes remote ranks' fds as it does
+local ones. It reads every link and hands each record to the Hub (Hub.received), which
+routes it: a rank's bytes come back here (output, stack bytes, a message from its
+channel), the rest go to the link or the group. Output is written without blocking (what
+a pipe cannot take waits here), so one rank's unread output never stops the others'
+records; what waits here is bounded by the agents' output window
+(tunnel.OUTPUT_WINDOW), given back (Credit) as it is written on.
+
+The pump owns the rank proxies and nothing else: the links, the payloads and the group
+are the Hub's, which the pump reaches through its methods only. Rejected: a pump that
+dispatched the records itself and called the spawner (before), which made the pump,
+the Hub and the spawner each reach into the others' state.
+"""
 from __future__ import annotations
 
 import logging
@@ -15,9 +24,9 @@ import time
 from typing import Dict, List, Sequence
 
 from .. import servers
-from .payloads import NodePayloads
 from ..._wire import linux, tunnel
 from ..._wire.channel import FramedReader
+from ..._wire.link import Credit, Output, RankMessage, StackBytes
 
 log = logging.getLogger("mplaunch")
 __mplaunch_plumbing__ = True
@@ -59,36 +68,45 @@ class _Proxy:
             self.reader = None
 
 
-
 class Pump:
-    """Started once the hub's links are up; `hub.spawner` (if any) hears the reports."""
+    """Started (start) once the hub's links are up and it routes what they say
+    (Hub.start); stopped by Hub.close."""
 
     def __init__(self, hub):
         self.hub = hub
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         self._stopping = False
-        self.proxies: Dict[int, _Proxy] = {}
-        self.payloads = NodePayloads()   # which payload each node holds
+        self._proxies: Dict[int, _Proxy] = {}
         self._plock = threading.Lock()
         self._changes: List = []
         self._thread = threading.Thread(target=self._pump, name="mplaunch-nodes",
                                         daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
-    def add_proxy(self, proxy: _Proxy) -> None:
+    # -- from the group's thread -------------------------------------------------------
+    def add_proxy(self, token: int, link, fds: Sequence[int]) -> None:
+        """Rank `token` on `link`'s node gets the child ends `fds` (RANK_FDS order); a
+        proxy the token had (a replaced rank's) is dropped."""
+        proxy = _Proxy(token, link, fds)
         with self._plock:
-            self.proxies[proxy.token] = proxy
+            old = self._proxies.pop(token, None)
+            if old is not None:
+                self._changes.append(("drop", old))
+            self._proxies[token] = proxy
             self._changes.append(("add", proxy))
         os.write(self._wake_w, b"x")
 
     def drop_proxy(self, token: int) -> None:
         with self._plock:
-            proxy = self.proxies.pop(token, None)
+            proxy = self._proxies.pop(token, None)
             if proxy is not None:
                 self._changes.append(("drop", proxy))
         os.write(self._wake_w, b"x")
 
+    # -- the thread ----------------------------------------------------------------------
     def _pump(self) -> None:
         sel = self._sel
         sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
@@ -113,7 +131,7 @@ class Pump:
                     elif kind == "write":
                         self._flush(obj, mask)
                 except Exception:   # noqa: BLE001 - the pump must not die
-                    log.exception("mplaunch: error relaying a node's frames")
+                    log.exception("mplaunch: error relaying a node's records")
 
     def _on_wake(self) -> None:
         try:
@@ -142,10 +160,8 @@ class Pump:
         if reader is None:
             return
         for data, fds in reader.read_available():
-            # a call: its payload goes to the node once, for all its ranks
             try:
-                self.payloads.send(proxy.link, tunnel.TO_RANK, proxy.token, fds,
-                                   lambda keys, data=data: (data, keys))
+                self.hub.call_rank(proxy.link, proxy.token, data, fds)
             finally:
                 linux.close_quiet(*fds)
         if reader.eof:
@@ -157,64 +173,64 @@ class Pump:
         except OSError:
             chunk = b""
         if chunk:
-            proxy.link.send(tunnel.TO_STACK, proxy.token, chunk)
+            proxy.link.send(StackBytes(proxy.token, chunk))
         else:
             self._sel.unregister(proxy.stack)
 
     def _on_link(self, link) -> None:
-        # `reading`/`heard`: the agent is alive and talking, however long a frame takes
-        # (a large result), which the liveness checks (_engine.nodes.hub) allow for.
+        # `reading`/`heard`: the agent is alive and talking, however long a record takes
+        # (a large result), which the liveness checks (_engine.nodes.spawner) allow for.
         link.reading = True
         try:
-            frame = tunnel.recv(link.sock)
+            record = tunnel.recv(link.sock)
         except OSError as exc:
-            frame = None
+            record = None
             link.lost = link.lost or f"its connection failed ({exc})"
         finally:
             link.reading = False
             link.heard = time.monotonic()
-        if frame is None:
+        if record is None:
             link.lost = link.lost or "its connection closed"
             self._sel.unregister(link.sock)
             self._lost(link)
             return
-        kind, token, body = frame
-        if kind == tunnel.SIGNALED:
-            link.acked += 1
-        elif kind in (tunnel.OUT, tunnel.ERR):
-            self._output(token, "out" if kind == tunnel.OUT else "err", body)
-        elif kind == tunnel.FROM_RANK:
-            proxy = self.proxies.get(token)
-            if proxy is not None and proxy.res is not None:
-                # Non-blocking through the reader's dup; a result larger than the
-                # socket's buffer is written whole (the group reads it).
-                try:
-                    tunnel.deliver(proxy.res, *body)
-                except OSError:
-                    pass
-        elif kind == tunnel.FROM_STACK:
-            proxy = self.proxies.get(token)
-            if proxy is not None and proxy.stack is not None:
-                try:
-                    if body:
-                        proxy.stack.sendall(body)
-                    else:
-                        proxy.stack.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass
-        else:
-            spawner = self.hub.spawner
-            if spawner is not None:
-                spawner.post((kind, token, body, link))
+        self.hub.received(link, record)
 
-    def _output(self, token: int, which: str, chunk: bytes) -> None:
-        proxy = self.proxies.get(token)
-        if proxy is None or getattr(proxy, which) is None:
+    # -- a rank's bytes (Hub.received routes them here) --------------------------------
+    def from_rank(self, _link, msg: RankMessage) -> None:
+        """What a remote rank's channel said, written whole to the proxy's end, which the
+        group reads (non-blocking through the reader's dup; a result larger than the
+        socket's buffer is written whole)."""
+        try:
+            proxy = self._proxies.get(msg.token)
+            if proxy is not None and proxy.res is not None:
+                try:
+                    tunnel.deliver_fds(proxy.res, msg.data, msg.fds)
+                except OSError:
+                    pass
+        finally:
+            linux.close_quiet(*msg.fds)
+
+    def from_stack(self, _link, msg: StackBytes) -> None:
+        proxy = self._proxies.get(msg.token)
+        if proxy is not None and proxy.stack is not None:
+            try:
+                if msg.data:
+                    proxy.stack.sendall(msg.data)
+                else:
+                    proxy.stack.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def output(self, _link, msg: Output) -> None:
+        proxy = self._proxies.get(msg.token)
+        which = msg.stream
+        if proxy is None or getattr(proxy, which, None) is None:
             return
-        if not chunk:    # EOF: every writer on the node is gone
+        if not msg.data:    # EOF: every writer on the node is gone
             self._close_output(proxy, which)
             return
-        proxy.pending[which] += chunk
+        proxy.pending[which] += msg.data
         self._flush((proxy, which), selectors.EVENT_WRITE)
 
     def _flush(self, target, _mask) -> None:
@@ -235,7 +251,7 @@ class Pump:
             written += n
         if written:
             # the agent may send that much more of this stream (tunnel.OUTPUT_WINDOW)
-            proxy.link.send(tunnel.CREDIT, proxy.token, (which, written))
+            proxy.link.send(Credit(proxy.token, which, written))
         if fd is None:
             return
         try:
@@ -267,13 +283,11 @@ class Pump:
     def _lost(self, link) -> None:
         """A node's connection ended: its ranks' outputs end, and the group hears."""
         with self._plock:
-            mine = [p for p in self.proxies.values() if p.link is link]
+            mine = [p for p in self._proxies.values() if p.link is link]
         for proxy in mine:
             self._close_output(proxy, "out")
             self._close_output(proxy, "err")
-        spawner = self.hub.spawner
-        if spawner is not None:
-            spawner.post((None, 0, link.lost, link))
+        self.hub.lose(link, link.lost)
 
     # -- the end -----------------------------------------------------------------------
     def stop(self) -> None:
@@ -282,15 +296,15 @@ class Pump:
             os.write(self._wake_w, b"x")
         except OSError:
             pass
-        if self._thread is not threading.current_thread():
-            self._thread.join(5.0)
+        thread = self._thread
+        if thread.ident is not None and thread is not threading.current_thread():
+            thread.join(5.0)
         with self._plock:
-            proxies, self.proxies = list(self.proxies.values()), {}
+            proxies, self._proxies = list(self._proxies.values()), {}
             # dropped (or added) while the thread was ending: never handled there
             proxies += [proxy for _what, proxy in self._changes]
             self._changes = []
         for proxy in proxies:
             proxy.close()
-        self.payloads.clear()
         linux.close_quiet(self._wake_r, self._wake_w)
         self._sel.close()

@@ -1,7 +1,11 @@
 """RemoteSpawner: the spawner (_engine.spawners' seam) of a group whose ranks live on a
-World's nodes (_engine.nodes.hub.Hub): it starts, signals and reaps them through the nodes'
-agents, and hands their reports (started, exited, a lost node) to the group in the
-group's own thread, through a queue and a pipe on its selector.
+World's nodes (_engine.nodes.hub.Hub): it starts, signals and reaps them through the
+nodes' agents, and hands their reports (started, exited, a lost node) to the group in
+the group's own thread, through a queue and a pipe on its selector. It asks everything
+of the Hub (start_rank, broadcast, drop_payloads...) and hears through Hub.report, which
+posts the handler of each report (on_started, on_exited...) with it: the records are
+dispatched once, by the Hub. Rejected: a spawner that held the pump's proxies and
+payloads itself (before), and so depended on the pump's private state.
 
 A node is lost when its connection ends, and also when its agent is there but answers
 nothing (frozen, cut off): a signal request unanswered within SIGNAL_ACK_WAIT, or the
@@ -20,9 +24,9 @@ from typing import Dict, List, Sequence
 
 from .. import servers
 from ..config import LaunchConfig
-from .pump import _Proxy
-from .hub import Hub, Link
-from ..._wire import tunnel
+from .hub import Hub, Link, LinkLost
+from ..._wire.link import (CloseGroup, Closed, Exited, ServerLost, SignalGroups,
+                           SignalRanks, Started, StartFailed, Sweep, Swept)
 from ..._wire.spec import RankSpec
 
 __mplaunch_plumbing__ = True
@@ -43,14 +47,14 @@ class RemoteSpawner:
         self._queue: "queue.Queue" = queue.Queue()
         self._r = self._w = None
         self._sel = None
-        self._tokens: Dict[int, _Proxy] = {}
+        self._tokens: Dict[int, Link] = {}   # each rank's node
         self._lost_seen: set = set()
         self._acks: set = set()
         self._exited: set = set()     # tokens whose exit was reported
 
-    def post(self, item) -> None:
-        """From the pump thread."""
-        self._queue.put(item)
+    def post(self, handler, link: Link, record) -> None:
+        """From any thread (Hub.report): `handler(link, record)` runs in the group's."""
+        self._queue.put((handler, link, record))
         w = self._w
         if w is not None:
             try:
@@ -65,26 +69,13 @@ class RemoteSpawner:
             servers.own_fd(fd)
         self._sel = sel
         sel.register(self._r, selectors.EVENT_READ, self._on_events)
-        self.hub.spawner = self
-        for link in self.hub.links:
-            link.send(tunnel.OPEN)
-        for link in self.hub.links:
-            if link.lost is not None:
-                self.post((None, 0, link.lost, link))
+        self.hub.open_group(self)
 
     def start(self, token: int, spec: RankSpec, fds: Sequence[int]) -> None:
         link = self.hub.links[spec.node_rank]
-        proxy = _Proxy(token, link, fds)
-        old = self._tokens.pop(token, None)
-        if old is not None:
-            self.hub.pump.drop_proxy(token)
-        self._tokens[token] = proxy
+        self._tokens[token] = link
         self._exited.discard(token)     # a replaced rank's token is its new process's
-        self.hub.pump.add_proxy(proxy)
-        if not self.hub.pump.payloads.send(link, tunnel.START, token, [fds[0]],
-                                           lambda keys: (spec, keys[0])):
-            self.post((tunnel.START_FAILED, token,
-                       f"{link.describe()} is lost: {link.lost}", link))
+        self.hub.start_rank(link, token, spec, fds)
 
     def pump(self) -> None:
         self._handle(self._queue.get())
@@ -102,60 +93,66 @@ class RemoteSpawner:
             self._handle(item)
 
     def _handle(self, item) -> None:
-        kind, token, body, link = item
-        ev = self.events
-        if ev is None:
-            return
-        if kind == tunnel.STARTED:
-            ev.started(token, body)
-        elif kind == tunnel.EXITED:
-            self._exited.add(token)
-            status, max_rss, note = body
-            ev.exited(None, status, max_rss, note, token=token)
-        elif kind == tunnel.START_FAILED:
-            ev.start_failed(token, body)
-        elif kind == tunnel.SERVER_LOST:
-            self._node_lost(link, body)
-        elif kind is None:
-            self._node_lost(link, f"mplaunch's agent there (pid {link.info.pid}) is "
-                                  f"gone: {body}")
-        elif kind in (tunnel.SWEPT, tunnel.CLOSED):
-            self._acks.add((kind, link.info.index))
+        handler, link, record = item
+        if self.events is not None:
+            handler(link, record)
+
+    # -- the reports' handlers (Hub.report posts them), in the group's thread ----------
+    def on_started(self, _link: Link, rec: Started) -> None:
+        self.events.started(rec.token, rec.pid)
+
+    def on_exited(self, _link: Link, rec: Exited) -> None:
+        self._exited.add(rec.token)
+        self.events.exited(None, rec.status, rec.max_rss, rec.note, token=rec.token)
+
+    def on_start_failed(self, _link: Link, rec: StartFailed) -> None:
+        self.events.start_failed(rec.token, rec.reason)
+
+    def on_server_lost(self, link: Link, rec: ServerLost) -> None:
+        self._node_lost(link, rec.why)
+
+    def on_link_lost(self, link: Link, rec: LinkLost) -> None:
+        self._node_lost(link, f"mplaunch's agent there (pid {link.info.pid}) is gone: "
+                              f"{rec.why}")
+
+    def on_answer(self, link: Link, rec) -> None:
+        """Swept or Closed: a round's answer (_round)."""
+        self._acks.add((type(rec), link.info.index))
 
     def _node_lost(self, link: Link, why: str) -> None:
         if link.info.index in self._lost_seen:
             return
         self._lost_seen.add(link.info.index)
-        tokens = [t for t, p in self._tokens.items() if p.link is link]
+        tokens = [t for t, node in self._tokens.items() if node is link]
         self.events.node_lost(tokens, f"is gone: its node, {link.describe()}, was lost: "
                                       f"{why}; every rank there is gone")
 
     def _tokens_by_link(self, tokens):
         by: Dict[int, List[int]] = {}
         for t in tokens:
-            proxy = self._tokens.get(t)
-            if proxy is not None:
-                by.setdefault(proxy.link.info.index, []).append(t)
+            link = self._tokens.get(t)
+            if link is not None:
+                by.setdefault(link.info.index, []).append(t)
         return by
 
     def signal_groups(self, signo: int, pids, tokens=()) -> None:
-        self._signal(tunnel.SIGNAL_GROUPS, signo, tokens)
+        self._signal(SignalGroups, signo, tokens)
 
     def signal_ranks(self, signo: int, pids, tokens=()) -> None:
-        self._signal(tunnel.SIGNAL_RANKS, signo, tokens)
+        self._signal(SignalRanks, signo, tokens)
 
-    def _signal(self, kind: int, signo: int, tokens) -> None:
+    def _signal(self, request, signo: int, tokens) -> None:
         for node, ts in self._tokens_by_link(tokens).items():
             link = self.hub.links[node]
-            if not link.send(kind, 0, (signo, ts)):
+            count = link.send_signal(request(signo, tuple(ts)))
+            if count is None:
                 continue
-            link.signals += 1
-            self._arm(SIGNAL_ACK_WAIT, self._check_acked,
-                      (link, link.signals, time.monotonic()))
+            self._arm(SIGNAL_ACK_WAIT, self._check_acked, (link, count, time.monotonic()))
             if signo == signal.SIGKILL:
                 # A SIGKILLed rank's exit is reported within milliseconds; an agent that
                 # does not report it (frozen, cut off) has lost its node.
-                self._arm(KILL_REPORT_WAIT, self._check_killed, (link, ts, time.monotonic()))
+                self._arm(KILL_REPORT_WAIT, self._check_killed,
+                          (link, ts, time.monotonic()))
 
     @staticmethod
     def _arm(wait: float, check, args) -> None:
@@ -177,9 +174,8 @@ class RemoteSpawner:
             self._arm(SIGNAL_ACK_WAIT, self._check_acked,
                       (link, count, time.monotonic()))
             return
-        link.lost = (f"its agent did not answer a signal request within "
-                     f"{SIGNAL_ACK_WAIT:g} s (is the node frozen, or cut off?)")
-        self.post((None, 0, link.lost, link))
+        self.hub.lose(link, f"its agent did not answer a signal request within "
+                            f"{SIGNAL_ACK_WAIT:g} s (is the node frozen, or cut off?)")
 
     def _check_killed(self, link: "Link", tokens, since: float) -> None:
         """In a timer's thread: `tokens` were SIGKILLed KILL_REPORT_WAIT ago."""
@@ -190,14 +186,15 @@ class RemoteSpawner:
         if link.reading:   # the reports may be queued behind a large frame
             self._arm(KILL_REPORT_WAIT, self._check_killed, (link, tokens, since))
             return
-        link.lost = (f"its agent did not report its ranks' exits within "
-                     f"{KILL_REPORT_WAIT:g} s of their SIGKILL (is the node frozen, or "
-                     f"cut off?)")
-        self.post((None, 0, link.lost, link))
+        self.hub.lose(link, f"its agent did not report its ranks' exits within "
+                            f"{KILL_REPORT_WAIT:g} s of their SIGKILL (is the node frozen, "
+                            f"or cut off?)")
 
-    def _round(self, kind: int, ack: int, timeout: float) -> None:
+    def _round(self, request, answer: type, timeout: float) -> None:
+        """`request` to every agent, and each one's `answer` waited for (a lost node's
+        is not)."""
         self._acks = set()
-        waiting = {link.info.index for link in self.hub.links if link.send(kind)}
+        waiting = {link.info.index for link in self.hub.broadcast(request)}
         end = time.monotonic() + timeout
         while waiting and time.monotonic() < end:
             try:
@@ -205,19 +202,19 @@ class RemoteSpawner:
             except queue.Empty:
                 break
             self._handle(item)
-            waiting -= {i for k, i in self._acks if k == ack}
+            waiting -= {i for k, i in self._acks if k is answer}
             waiting = {i for i in waiting if self.hub.links[i].lost is None}
 
     def sweep(self, timeout: float = 5.0) -> None:
-        self._round(tunnel.SWEEP, tunnel.SWEPT, timeout)
+        self._round(Sweep(), Swept, timeout)
 
     def close(self) -> None:
-        self._round(tunnel.CLOSE_GROUP, tunnel.CLOSED, 15.0)
-        self.hub.pump.payloads.clear()    # the agents dropped theirs with the group
+        self._round(CloseGroup(), Closed, 15.0)
+        self.hub.drop_payloads()    # the agents dropped theirs with the group
         for token in list(self._tokens):
-            self.hub.pump.drop_proxy(token)
+            self.hub.drop_rank_proxy(token)
         self._tokens = {}
-        self.hub.spawner = None
+        self.hub.end_group(self)
         if self._sel is not None and self._r is not None:
             try:
                 self._sel.unregister(self._r)
