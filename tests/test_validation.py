@@ -318,9 +318,10 @@ def test_a_ray_world_without_ray_installed_says_which_extra_to_install(monkeypat
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(ImportError, match=r"pip install 'mplaunch\[ray\]'"):
         mplaunch.World(2, nnodes=2, scheduler="ray")
-    with pytest.raises(ValueError, match="scheduler must be 'slurm'"):
+    with pytest.raises(ValueError, match="scheduler must be one of 'slurm', 'ray'"):
         mplaunch.World(2, nnodes=2, scheduler="kubernetes")
-    with pytest.raises(TypeError, match="needs scheduler='ray'"):
+    with pytest.raises(TypeError, match=r"ray_resources= is an option of scheduler='ray' "
+                                        r"\(the Ray cluster .*'slurm'"):
         mplaunch.World(2, nnodes=2, ray_resources={"CPU": 2})
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before | set(
         _procs.server_pids()) | set(_procs.idle_pool_pids())
