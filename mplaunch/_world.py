@@ -21,10 +21,8 @@ from ._engine.modwatch import ModuleWatch
 from ._engine.nodes.plan import plan_nodes
 from ._engine.world_engine import RankCalls, Serving
 from ._rank import heal, procgroup
-from ._launch import from_here
 from ._wire.payload import dumps_payload
-from ._world_notes import present
-from .errors import MPLaunchError
+from ._world_notes import answer
 
 T = TypeVar("T")
 # mplaunch's own calls in the ranks, sent by reference to the rank's side
@@ -195,11 +193,9 @@ class World:
             reloads = self._modules.reloaded() if self._engine.up else ()
             self.start()
             reply = self._engine.call(payload, timeout, reloads)
-            present(reply, self._told, self.size, self._send_hint)
-        error = reply.error
-        if error is None:
-            return reply.values
-        raise from_here(error) if isinstance(error, MPLaunchError) else error
+            if reply.error is not None and reloads:
+                self._modules.again(reloads)   # some ranks may not have followed them
+            return answer(reply, self._told, self.size, self._send_hint)
 
     def restart(self, nnodes: Optional[int] = None,
                 nprocs: Optional[int] = None) -> "World":

@@ -17,7 +17,30 @@ import types
 import warnings
 from typing import List, Optional, Set
 
-__all__ = ["present"]
+__all__ = ["answer", "present"]
+
+
+def answer(reply, told: Set[tuple], size: int, send_hint: str):
+    """`reply`'s values, or its error raised, after warning of its notes (present);
+    where warnings are errors (``-W error``), the call's error is still the one raised,
+    the warning its cause."""
+    error = reply.error
+    try:
+        present(reply, told, size, send_hint)
+    except Exception as warned:
+        if error is None:
+            raise
+        raise _raisable(error) from warned
+    if error is not None:
+        raise _raisable(error)
+    return reply.values
+
+
+def _raisable(error: BaseException) -> BaseException:
+    """An mplaunch error as raised here (its traceback from this frame, _launch)."""
+    from ._launch import from_here
+    from .errors import MPLaunchError
+    return from_here(error) if isinstance(error, MPLaunchError) else error
 
 
 def present(reply, told: Set[tuple], size: int, send_hint: str) -> None:

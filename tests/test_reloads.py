@@ -58,6 +58,16 @@ def test_the_ranks_follow_each_way_a_script_changes_a_module(tmp_path, start_met
     # Imported anew after `del sys.modules[name]`: followed.
     assert [r[4] for r in result["anew"]] == ["anew two"] * 3, result
     assert result["warnings"] == [], result
+    # The note of a reload that failed reaches the caller before the call's payload is
+    # loaded, even where that load then fails because of it.
+    assert result["new function"] == [1, "AttributeError"], result
+    [warned] = result["new function warnings"]
+    assert warned.startswith("mplaunch.World: rank 1 could not reload 'onerank', which "
+                             "this process reloaded (RuntimeError: only on rank 1, "
+                             "again)"), warned
+    # With warnings as errors, the call's error is raised, the warning its cause; the
+    # failed call's reloads were sent again (rank 1 warned again).
+    assert result["as errors"] == [1, "RuntimeWarning"], result
 
 
 def test_the_ranks_follow_deduperreload(tmp_path):

@@ -26,6 +26,7 @@ import local_step  # noqa: E402
 import mplaunch  # noqa: E402
 import netns  # noqa: E402
 import nodes_scenarios  # noqa: E402
+from mplaunch._engine import servers as _procs  # noqa: E402
 from mplaunch._wire import auth  # noqa: E402
 from nodes_scenarios import *  # noqa: E402,F401,F403 - the shared scenarios
 from nodes_scenarios import (alive, allreduce_sum, count_calls,  # noqa: E402
@@ -369,6 +370,20 @@ def test_a_scheduler_whose_start_fails_leaves_nothing_and_the_world_can_be_close
         assert w.pids == {} and w.nodes == []
     finally:
         schedulers.unregister("local-dies-first")
+
+
+def test_a_node_that_cannot_place_its_ranks_ends_the_step_and_leaves_nothing():
+    """The agents joined, and one cannot run the World (gpus= on a node without any):
+    the error names the node and why, and the step, its agents and their servers end
+    with it (they were left up, the step a zombie, while the agents started)."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(RuntimeError, match=r"node \d \(node\d\) cannot run this World: "
+                                           r"ValueError: gpus=\[0, 1\] .* no GPU"):
+        with world(gpus=[0, 1]) as w:
+            w.run(count_calls)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before
+            and p.pid not in _procs.server_pids() + _procs.idle_pool_pids()]
+    assert left == [], [(p.pid, p.status()) for p in left]
 
 
 def test_a_rank_starts_where_its_node_can_and_imports_from_the_nodes_path_too():

@@ -41,9 +41,8 @@ from .._wire.spec import for_this_node
 
 log = logging.getLogger("mplaunch.agent")
 ADDR_ENV, NODE_ENV, NAME_ENV = tunnel.ADDR_ENV, tunnel.NODE_ENV, tunnel.NAME_ENV
-NODE_FROM_ENV = tunnel.NODE_FROM_ENV
+NODE_FROM_ENV, CWD_ENV = tunnel.NODE_FROM_ENV, tunnel.CWD_ENV
 SECRET_STDIN_ENV, PARENT_ENV = tunnel.SECRET_STDIN_ENV, tunnel.PARENT_ENV
-CWD_ENV = tunnel.CWD_ENV
 
 
 def _given(what: int, environ) -> Optional[str]:
@@ -432,8 +431,11 @@ def main() -> int:
         log.error("could not join the World at %s: %s", addr, exc)
         return 1
     agent = Agent(sock, node_cwd)
-    hello = Hello(node_index(), node_name(), socket.gethostname(), os.getpid(),
-                  dict(os.environ), list(allowed_cpus()))
+    index, name = node_index(), node_name()
+    for var in (NODE_ENV, NAME_ENV, NODE_FROM_ENV):
+        os.environ.pop(var, None)   # its own, not its ranks' (nor a World they make)
+    hello = Hello(index, name, socket.gethostname(), os.getpid(), dict(os.environ),
+                  list(allowed_cpus()))
     try:
         tunnel.send(sock, hello)
         agent.serve(int(parent) if parent and parent.isdigit() else None)

@@ -180,14 +180,16 @@ class RankGroup:
                 message=first if r is dead[0] else "it died with mplaunch's server process"))
 
     # -- calls (a World's ranks stay up between them) ----------------------------------
-    def call(self, payload_fd: int, ranks: Optional[Sequence[RankState]] = None) -> None:
-        """Ask every rank (or these) to run the payload in `payload_fd` next; wait()
-        until ``replied``."""
+    def call(self, payload_fd: int, ranks: Optional[Sequence[RankState]] = None,
+             ahead: bytes = b"") -> None:
+        """Ask every rank (or these) to run the payload in `payload_fd` next, after
+        `ahead` (its reloads) to the same rank: both or neither; wait() until replied."""
         for r in self.ranks if ranks is None else ranks:
             r.has_result, r.result, r.error = False, None, None
             r.calls += 1
             if r.err is not None:
                 r.err.begin_call()   # its stderr tail is this call's (_engine.output)
+            send_framed(r.reader.sock, ahead) if ahead else None
             send_framed(r.reader.sock, CALL_TAG, [payload_fd])
 
     @property

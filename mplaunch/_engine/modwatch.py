@@ -85,13 +85,21 @@ class ModuleWatch:
         self._known: Set[str] = set()     # every name of sys.modules looked at
         self._mark: Tuple[Any, ...] = ()  # sys.modules' size and last name, then
         self._watched: Dict[str, _Seen] = {}
+        self._again: List[Tuple[str, str]] = []   # said again (again())
+
+    def again(self, changes: List[Tuple[str, str]]) -> None:
+        """`changes` went down with a call that failed: a rank that was not sent it, or
+        was interrupted before it followed, runs what it had. The next reloaded() says
+        them again (reloading a module a rank followed already runs its top again, as a
+        second reload here would)."""
+        self._again = list(dict(list(changes) + self._again).items())
 
     def reloaded(self) -> List[Tuple[str, str]]:
         """(name, how) of each watched module that changed since the last call (none at
         the first), in the order this process first imported them; how is RELOAD,
         PATCH or IMPORT."""
         modules = sys.modules
-        changed = []
+        changed, self._again = self._again, []
         # Only deduperreload patches a module without a new spec: where it was never
         # imported, no file is looked at.
         patcher = _DEDUPER in modules
@@ -145,7 +153,7 @@ class ModuleWatch:
                 spec = _spec_if_users(name, module)
                 if spec is not None:
                     self._watched[name] = _Seen(module, spec, spec.origin)
-        return changed
+        return list(dict(changed).items())   # a name said again and changed again: once
 
 
 def _stat(path: str) -> Optional[Tuple[int, int]]:

@@ -18,7 +18,7 @@ from .._wire.linux import close_quiet
 def bind(addr: str, port: int) -> socket.socket:
     """A listening TCP socket on `addr`:`port` (0: any free port), the first of the
     addresses `addr` resolves to that binds. Also the World's agent port
-    (_engine.nodes.slurm_step)."""
+    (_engine.nodes.agents.listen)."""
     infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
     last = None
     for family, kind, proto, _name, sockaddr in infos:

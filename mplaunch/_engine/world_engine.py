@@ -46,7 +46,6 @@ from .session import Session
 from .timeouts import collect_stacks
 from .._wire import buffers
 from .._wire.buffers import Payload
-from .._wire.channel import send_framed
 from .._wire.messages import CALL_TAG, RELEASE_SIGNAL
 from .._wire.payload import dumps_payload
 from .._wire.stacks import RankStacks
@@ -234,12 +233,10 @@ class Serving:
         attempt = self.attempt
         self._called = attempt.group
         ahead = (CALL_TAG + pickle.dumps(tuple(reloads), pickle.HIGHEST_PROTOCOL)
-                 if reloads else None)
+                 if reloads else b"")
 
         def send() -> None:
-            if ahead is not None:
-                self._send_ahead(ahead)
-            self._send(payload)
+            self._send(payload, ahead)
         if not self.heal:
             return self._wait_replies(timeout, send=send)
         group = attempt.group
@@ -265,20 +262,12 @@ class Serving:
             error.healed = kept
         raise error
 
-    def _send_ahead(self, ahead: bytes) -> None:
-        """The frame that goes ahead of a call to every rank: its reloads."""
-        for r in self.attempt.group.ranks:
-            try:
-                send_framed(r.reader.sock, ahead)
-            except OSError:
-                pass  # a rank is gone: the call's send and the loop find out
-
-    def _send(self, payload: Union[bytes, Payload]) -> None:
+    def _send(self, payload: Union[bytes, Payload], ahead: bytes = b"") -> None:
         group = self.attempt.group
         group.relay_to(sys.stdout, sys.stderr)
         with _payload_fd(payload) as fd:
             try:
-                group.call(fd)
+                group.call(fd, ahead=ahead)
             except OSError:
                 pass  # a rank is gone: the loop finds out which, and why
 

@@ -59,7 +59,7 @@ def _next_call(sock: socket.socket) -> Optional[Tuple[int, tuple]]:
     reloads: tuple = ()
     data, fds = recv_framed(sock)
     while data is not None and not fds and len(data) > 1 and data[:1] == CALL_TAG:
-        reloads = pickle.loads(data[1:])
+        reloads += pickle.loads(data[1:])
         data, fds = recv_framed(sock)
     if data is None or not fds:
         for fd in fds:

@@ -20,7 +20,6 @@ import types
 import weakref
 from typing import Dict, List, Sequence, Tuple
 
-from .call_loop import accept_interrupts
 
 __all__ = ["follow", "reload_modules"]
 
@@ -32,14 +31,13 @@ PATCH, IMPORT, UNFOLLOWED = "patch", "import", "unfollowed"
 
 def follow(changes: Sequence[Tuple[str, str]]) -> List[tuple]:
     """A World's call's `changes`, before its payload is loaded (its function may be
-    pickled by reference to a reloaded module), with the call's window open: a module's
-    top is the user's code, which the World's interrupt must reach. A note (UNFOLLOWED,
-    name, None, why) for each module this rank runs as it had it."""
-    accept_interrupts(True)
-    try:
-        failed = reload_modules(changes)
-    finally:
-        accept_interrupts(False)
+    pickled by reference to a reloaded module). The call's window of interrupts is
+    still closed: an interrupt in a module's top would leave it half-run over its old
+    namespace (and the modules after it not followed); the World sends it again, and it
+    lands in the call's code once the reloads are done (a module whose top never ends
+    is a rank the timeout replaces, fresh). A note (UNFOLLOWED, name, None, why) for
+    each module this rank runs as it had it."""
+    failed = reload_modules(changes)
     return [(UNFOLLOWED, name, None, why) for name, why in failed.items()]
 
 

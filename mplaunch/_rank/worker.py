@@ -207,12 +207,12 @@ def _call_and_report(sock, spec, payload_fd: int, changes=(), first: bool = Fals
             serving.accept_interrupts(True)
             value = _run_script(spec.script.target, spec.script.kind)
         else:
-            notes = reloads.follow(changes) if changes else []   # before the load
+            if changes:   # before the load, and said even if the load then fails
+                _send(sock, KeptGlobals(tuple(reloads.follow(changes))))
             func, args, kwargs = wire_payload.loads_payload(
                 payload, mainmod.publish(payload_fd), inputs)
             del payload, inputs
-            notes += mainglobals.take_kept()
-            if notes:
+            if (notes := mainglobals.take_kept()):
                 _send(sock, KeptGlobals(tuple(notes)))   # the caller warns
             # The World's interrupt may end the call's own code, never mplaunch's
             # calls of a heal (the group's state, its rebuild) nor their set-up.

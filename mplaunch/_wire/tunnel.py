@@ -133,7 +133,12 @@ def recv(sock: socket.socket):
     if body is None:
         return None
     if kind == RECORD:
-        return pickle.loads(body)
+        try:
+            return pickle.loads(body)
+        except Exception as exc:  # noqa: BLE001 - a record this side cannot read
+            raise ConnectionError(f"a record on the agent link that this side cannot "
+                                  f"read ({type(exc).__name__}: {exc}); is every node "
+                                  f"running the same mplaunch?") from None
     if kind == OUT or kind == ERR:
         return Output(token, "out" if kind == OUT else "err", body)
     if kind == STACK:

@@ -68,5 +68,28 @@ with warnings.catch_warnings(record=True) as caught:
         import anew  # noqa: F811,E402
         result["anew"] = world.run(versions)
         result["here"] = versions()
-result["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+        result["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+        del caught[:]
+        # A function new in a module that rank 1 cannot reload: rank 1 cannot load the
+        # call (the function goes by reference), and the warning still says why.
+        onerank_c = ("import os\n\ndef a():\n    return 'a three'\n\n"
+                     "def c():\n    return 'c three'\n\n"
+                     "if os.environ.get('RANK') == '1':\n"
+                     "    raise RuntimeError('only on rank 1, again')\n")
+        write("onerank", onerank_c)
+        importlib.reload(onerank)
+        try:
+            world.run(onerank.c)
+        except mplaunch.WorkerError as err:
+            result["new function"] = [err.rank, str(err.exc_type).rpartition(".")[2]]
+        result["new function warnings"] = [str(w.message) for w in caught]
+        del caught[:]
+        # Warnings as errors: the call's error is still the one raised, the warning
+        # its cause (the failed call's reloads went down again with this call).
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            try:
+                world.run(onerank.c)
+            except mplaunch.WorkerError as err:
+                result["as errors"] = [err.rank, type(err.__cause__).__name__]
 print("RESULT " + json.dumps(result))

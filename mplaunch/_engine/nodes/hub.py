@@ -137,24 +137,27 @@ class Hub:
             env = dict(os.environ)
             env[auth.SECRET_ENV] = secret
             env[tunnel.ADDR_ENV] = join_addr(self.address, port)
-            env.pop(tunnel.NODE_ENV, None)
+            for name in (tunnel.NODE_ENV, tunnel.NAME_ENV, tunnel.NODE_FROM_ENV):
+                env.pop(name, None)   # this process's own, if it is a node's rank
             self._step_log = tempfile.TemporaryFile(prefix="mplaunch-agents-")
             self.step = self.scheduler.start(AgentLaunch(
                 tuple(agent_argv()), env, self.nnodes, self._step_log, secret,
                 env[tunnel.ADDR_ENV]))
             self._accept(listener, secret)
+            listener.close()    # every agent is in: nobody else gets to connect
+            # Whatever fails from here on (a node that cannot place its ranks, an agent
+            # that ends, an interrupt while they start their servers) ends the step too.
+            self._configure()
+            self._pump = pump = Pump(self)
+            self._routes = {Output: pump.output, StackBytes: pump.from_stack,
+                            RankMessage: pump.from_rank, Signaled: self._signaled,
+                            **{kind: self.report for kind in _REPORTS}}
+            pump.start()
+            self.step.watch(self._node_ended)   # a scheduler that learns of a lost node
         except BaseException:
             listener.close()
             self.close()
             raise
-        listener.close()    # every agent is in: nobody else gets to connect
-        self._configure()
-        self._pump = pump = Pump(self)
-        self._routes = {Output: pump.output, StackBytes: pump.from_stack,
-                        RankMessage: pump.from_rank, Signaled: self._signaled,
-                        **{kind: self.report for kind in _REPORTS}}
-        pump.start()
-        self.step.watch(self._node_ended)   # a scheduler that learns of a lost node
         return self
 
     # -- what the agents say (in the pump's thread) --------------------------------------

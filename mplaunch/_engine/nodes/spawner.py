@@ -46,6 +46,7 @@ class RemoteSpawner:
         self.lock = threading.RLock()
         self._queue: "queue.Queue" = queue.Queue()
         self._r = self._w = None
+        self._wake = threading.Lock()   # the pipe's write end, between post() and close()
         self._sel = None
         self._tokens: Dict[int, Link] = {}   # each rank's node
         self._lost_seen: set = set()
@@ -55,12 +56,12 @@ class RemoteSpawner:
     def post(self, handler, link: Link, record) -> None:
         """From any thread (Hub.report): `handler(link, record)` runs in the group's."""
         self._queue.put((handler, link, record))
-        w = self._w
-        if w is not None:
-            try:
-                os.write(w, b"x")
-            except OSError:
-                pass
+        with self._wake:   # never into an fd number close() gave back and another took
+            if self._w is not None:
+                try:
+                    os.write(self._w, b"x")
+                except OSError:
+                    pass
 
     def open(self, sel: selectors.BaseSelector) -> None:
         self._r, self._w = os.pipe()
@@ -220,7 +221,8 @@ class RemoteSpawner:
                 self._sel.unregister(self._r)
             except (KeyError, ValueError):
                 pass
-        for fd in (self._r, self._w):
+        with self._wake:
+            fds, self._r, self._w = (self._r, self._w), None, None
+        for fd in fds:
             if fd is not None:
                 servers.close_fd(fd)
-        self._r = self._w = None
