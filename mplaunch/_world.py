@@ -195,7 +195,10 @@ class World:
             reply = self._engine.call(payload, timeout, reloads)
             if reply.error is not None and reloads:
                 self._modules.again(reloads)   # some ranks may not have followed them
-            return answer(reply, self._told, self.size, self._send_hint)
+            values, error = answer(reply, self._told, self.size, self._send_hint)
+        if error is not None:
+            raise error   # here: the user's frames, then this call's line (from_here)
+        return values
 
     def restart(self, nnodes: Optional[int] = None,
                 nprocs: Optional[int] = None) -> "World":

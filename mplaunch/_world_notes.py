@@ -21,19 +21,20 @@ __all__ = ["answer", "present"]
 
 
 def answer(reply, told: Set[tuple], size: int, send_hint: str):
-    """`reply`'s values, or its error raised, after warning of its notes (present);
-    where warnings are errors (``-W error``), the call's error is still the one raised,
-    the warning its cause."""
+    """(values, None), or (None, the error for run() to raise), after warning of
+    `reply`'s notes (present); where warnings are errors (``-W error``), the call's
+    error is still the one raised (its cause, the rank's exception, kept), the warning
+    its context."""
     error = reply.error
     try:
         present(reply, told, size, send_hint)
     except Exception as warned:
         if error is None:
             raise
-        raise _raisable(error) from warned
-    if error is not None:
-        raise _raisable(error)
-    return reply.values
+        error.__context__ = warned
+    if error is None:
+        return reply.values, None
+    return None, _raisable(error)
 
 
 def _raisable(error: BaseException) -> BaseException:

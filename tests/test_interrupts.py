@@ -98,8 +98,8 @@ def test_an_interrupt_right_after_the_call_is_sent_is_that_calls(method, monkeyp
     the driver has not yet run. Before: run('c') returned ['b', 'b'] (3 of 3)."""
     sent = serving.Serving._send
 
-    def send_then_interrupt(self, payload):
-        sent(self, payload)
+    def send_then_interrupt(self, payload, *ahead):
+        sent(self, payload, *ahead)
         signal.raise_signal(signal.SIGINT)   # Python runs the handler right here
 
     with mplaunch.World(2, start_method=method, grace_period=5) as world:

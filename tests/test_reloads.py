@@ -65,7 +65,7 @@ def test_the_ranks_follow_each_way_a_script_changes_a_module(tmp_path, start_met
     assert warned.startswith("mplaunch.World: rank 1 could not reload 'onerank', which "
                              "this process reloaded (RuntimeError: only on rank 1, "
                              "again)"), warned
-    # With warnings as errors, the call's error is raised, the warning its cause; the
+    # With warnings as errors, the call's error is raised, the warning its context; the
     # failed call's reloads were sent again (rank 1 warned again).
     assert result["as errors"] == [1, "RuntimeWarning"], result
 

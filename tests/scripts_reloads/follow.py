@@ -85,11 +85,11 @@ with warnings.catch_warnings(record=True) as caught:
         result["new function warnings"] = [str(w.message) for w in caught]
         del caught[:]
         # Warnings as errors: the call's error is still the one raised, the warning
-        # its cause (the failed call's reloads went down again with this call).
+        # its context (the failed call's reloads went down again with this call).
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             try:
                 world.run(onerank.c)
             except mplaunch.WorkerError as err:
-                result["as errors"] = [err.rank, type(err.__cause__).__name__]
+                result["as errors"] = [err.rank, type(err.__context__).__name__]
 print("RESULT " + json.dumps(result))
