@@ -431,11 +431,8 @@ def main() -> int:
         log.error("could not join the World at %s: %s", addr, exc)
         return 1
     agent = Agent(sock, node_cwd)
-    index, name = node_index(), node_name()
-    for var in (NODE_ENV, NAME_ENV, NODE_FROM_ENV):
-        os.environ.pop(var, None)   # its own, not its ranks' (nor a World they make)
-    hello = Hello(index, name, socket.gethostname(), os.getpid(), dict(os.environ),
-                  list(allowed_cpus()))
+    hello = Hello(node_index(), node_name(), socket.gethostname(), os.getpid(),
+                  dict(os.environ), list(allowed_cpus()))
     try:
         tunnel.send(sock, hello)
         agent.serve(int(parent) if parent and parent.isdigit() else None)
