@@ -21,8 +21,9 @@ from ._engine.modwatch import ModuleWatch
 from ._engine.nodes.plan import plan_nodes
 from ._engine.world_engine import RankCalls, Serving
 from ._rank import heal, procgroup
+from ._rank.debugging import is_post_mortem, world_post_mortem
 from ._wire.payload import dumps_payload
-from ._world_notes import answer
+from ._world_notes import answer, first_raised
 
 T = TypeVar("T")
 # mplaunch's own calls in the ranks, sent by reference to the rank's side
@@ -103,6 +104,7 @@ class World:
         self._lock = threading.RLock()
         self._modules = ModuleWatch()
         self._told: Set[tuple] = set()   # the notes said already (_world_notes)
+        self._failed: Optional[int] = None   # the last run's first failing rank
         _open.add(self)
 
     # -- public ----------------------------------------------------------------------
@@ -196,9 +198,33 @@ class World:
             if reply.error is not None and reloads:
                 self._modules.again(reloads)   # some ranks may not have followed them
             values, error = answer(reply, self._told, self.size, self._send_hint)
+            if not is_post_mortem(func):
+                self._failed = first_raised(error)
         if error is not None:
             raise error   # here: the user's frames, then this call's line (from_here)
         return values
+
+    def debug(self, rank: Optional[int] = None) -> None:
+        """pdb at the frame that raised the last run's error in `rank` (default: the
+        first rank whose own error it was), with its locals, as IPython's ``%debug``:
+        through the notebook's input box, or this process's terminal. The other ranks
+        wait; the World is as it was afterwards. See :ref:`debugging`."""
+        rank = self._failed if rank is None else rank
+        if rank is None:
+            raise RuntimeError("no run of this World raised an error in a rank since "
+                               "it started: there is nothing to debug (breakpoint() "
+                               "in the function stops a rank while it runs)")
+        if not isinstance(rank, int) or isinstance(rank, bool) \
+                or not 0 <= rank < self.size:
+            raise ValueError(f"rank must be a rank of this World (0..{self.size - 1}), "
+                             f"got {rank!r}")
+        opened = self.run(world_post_mortem, (rank,), timeout=float("inf"))[rank]
+        if opened is None:
+            raise RuntimeError(f"rank {rank} holds no error to debug: its last run did "
+                               "not raise, or it was started fresh since")
+        if opened is False:
+            raise RuntimeError("nobody can answer pdb's prompt here: debug() needs a "
+                               "notebook whose frontend takes input, or a terminal")
 
     def restart(self, nnodes: Optional[int] = None,
                 nprocs: Optional[int] = None) -> "World":

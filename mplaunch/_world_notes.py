@@ -37,6 +37,14 @@ def answer(reply, told: Set[tuple], size: int, send_hint: str):
     return None, _raisable(error)
 
 
+def first_raised(error) -> Optional[int]:
+    """The first rank whose own exception `error` (a run's) is, for World.debug()."""
+    for failure in getattr(error, "failures", ()):
+        if failure.exc_type is not None and failure.released is None:
+            return failure.rank
+    return None
+
+
 def _raisable(error: BaseException) -> BaseException:
     """An mplaunch error as raised here (its traceback from this frame, _launch)."""
     from ._launch import from_here

@@ -95,6 +95,7 @@ class Attempt:
         group, nodes = self.group, self.nodes
         timeout = self.cfg.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
+        debugged = group.debug.paused()   # time in a debugger does not count
         while group.running and not (until is not None and until()):
             wait = None
             if deadline is not None and not group.stopping:
@@ -103,6 +104,9 @@ class Attempt:
                 # Network state has no fd to wait on.
                 wait = POLL_INTERVAL if wait is None else min(wait, POLL_INTERVAL)
             group.wait(wait)
+            if deadline is not None:
+                deadline += group.debug.paused() - debugged
+                debugged = group.debug.paused()
             if nodes is not None:
                 self._watch_nodes()
             if group.stopping:

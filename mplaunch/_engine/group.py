@@ -27,7 +27,8 @@ from .screen import screen_for
 from .ranks import RankState, drain_outputs
 from .signals import Waker
 from .._wire.channel import send_framed
-from .._wire.messages import CALL_TAG, RESULT_TAG, KeptGlobals, Raised, Returned
+from .debugging import Debugging
+from .._wire.messages import CALL_TAG, RESULT_TAG, DebugAsk, KeptGlobals, Raised, Returned
 from .._wire.payload import loads_result
 from .._wire.spec import RankSpec
 from ..errors import RankFailure
@@ -71,6 +72,8 @@ class RankGroup:
         self.lock = self.spawner.lock
         self._by_pid: Dict[int, RankState] = {}
         self._sel = selectors.DefaultSelector()
+        # A rank's request for a line (pdb, input()): answered one rank at a time
+        self.debug = Debugging(self._sel, cfg.stdin_rank)
         self._waker = waker
         self._closed = False
         self.heal = False   # a healing World's call: see fail()
@@ -184,6 +187,7 @@ class RankGroup:
              ahead: bytes = b"") -> None:
         """Ask every rank (or these) to run the payload in `payload_fd` next, after
         `ahead` (its reloads) to the same rank: both or neither; wait() until replied."""
+        self.debug.new_call()
         for r in self.ranks if ranks is None else ranks:
             r.has_result, r.result, r.error = False, None, None
             r.calls += 1
@@ -251,8 +255,12 @@ class RankGroup:
     def _on_message(self, r: RankState, data: bytes, fds: list) -> None:
         tag, body = data[:1], data[1:]
         msg = _answer(r, tag, body, fds)
+        if isinstance(msg, DebugAsk):
+            self.debug.on_ask(r, msg)
+            return
         if msg is _NOT_AN_ANSWER:
             return
+        self.debug.gone(r)   # it answered: any line it asked for is no longer wanted
         if tag == RESULT_TAG:
             try:
                 r.result = loads_result(body, fds)
@@ -317,6 +325,7 @@ class RankGroup:
         now = time.monotonic()
         grace = self.cfg.grace_period if grace_period is None else grace_period
         self.teardown = Teardown(signo, now, time.time(), now + grace)
+        self.debug.interrupt()
         self._signal(signo, [r for r in self.ranks if r.alive])
 
     def hurry(self) -> None:
@@ -394,6 +403,8 @@ def _answer(r: RankState, tag: bytes, body: bytes, fds: list):
         if not stale:
             r.kept_globals += msg.names   # before its answer (_wire.mainglobals)
         return _NOT_AN_ANSWER
+    if isinstance(msg, DebugAsk):
+        return msg   # not an answer: a request for a line (_engine.debugging)
     r.answers += 1
     return _NOT_AN_ANSWER if stale else msg
 

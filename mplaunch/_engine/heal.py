@@ -70,8 +70,12 @@ class CallDriver:
         elif timeout == float("inf"):
             timeout = None                    # none for this call, whatever the world's
         deadline = None if timeout is None else time.monotonic() + timeout
+        debugged = group.debug.paused()   # time in a debugger does not count
         while group.running and not group.stopping and not _all_answered(group):
             group.wait(self._wait(deadline, grace))
+            if deadline is not None:
+                deadline += group.debug.paused() - debugged
+                debugged = group.debug.paused()
             if group.stopping or _all_answered(group):
                 break
             now = time.monotonic()
@@ -121,6 +125,7 @@ class CallDriver:
         group = self.attempt.group
         silent = [r for r in group.ranks if not _answered(r) and r.signalable]
         if silent and now >= self._sent_at + RESEND:
+            group.debug.interrupt()   # a rank in pdb continues, into the interrupt
             group.send_signal(signal.SIGINT, silent)
             self._sent_at = now
         if silent and not self.released and now >= self._interrupt_at + RELEASE_AFTER:

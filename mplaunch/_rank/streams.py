@@ -4,9 +4,9 @@
   mplaunch sets in every rank) they are unbuffered, as under ``python -u``: whatever the
   rank wrote is in the pipe before its next statement runs, so a rank that dies by
   ``os._exit``, a signal or a segfault loses nothing, not even half a line.
-- stdin is the launching process's terminal for the rank chosen to read it (so that
-  ``breakpoint()`` and ``input()`` work there), /dev/null for every other rank, where
-  ``breakpoint()`` is skipped with a note instead of failing the rank.
+- stdin is the launching process's terminal for the rank chosen to read it, /dev/null
+  for every other rank. ``breakpoint()`` and ``input()`` in any rank do not read it:
+  they ask the launching process for each line (_rank.debugging).
 - When the launching process's stream is a terminal, the rank's Python stream says so
   (``isatty()``), so libraries that colour or draw progress bars only on a terminal do
   so in the rank as they would under torchrun.
@@ -72,6 +72,14 @@ def _wait_read(fd: int) -> None:
         time.sleep(0)   # the launching process needs the CPU to read it
 
 
+def wait_relayed() -> None:
+    """Until the launching process has read what stdout and stderr hold (or _HANDOFF
+    each): what the rank printed reaches its user before a prompt it sends another way."""
+    if _ordered:
+        _wait_read(1)
+        _wait_read(2)
+
+
 class _TerminalPipe(io.FileIO):
     """A pipe whose far end (the launching process's relay) writes to a terminal.
 
@@ -111,8 +119,6 @@ def take_over(fds: dict, terminal: dict, unbuffered: bool) -> None:
     sys.stdout = _writer(1, terminal.get("stdout", False), unbuffered)
     sys.stderr = _writer(2, terminal.get("stderr", False), unbuffered)
     sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
-    if not os.isatty(0):
-        sys.breakpointhook = _breakpoint_without_terminal
     if unbuffered:
         _unbuffer_c_stdio()
         _own[:] = [sys.stdout, sys.stderr]
@@ -148,22 +154,6 @@ def _unbuffer_c_stdio() -> None:
             libc.setvbuf(stream, None, 2, 0)  # _IONBF
     except Exception:  # noqa: BLE001 - not glibc: C stdio keeps its own buffering
         pass
-
-
-def _breakpoint_without_terminal(*args, **kwargs):
-    """breakpoint() in a rank that cannot read the terminal.
-
-    pdb reading /dev/null quits at once and raises BdbQuit, which would fail this rank
-    and tear down the launch, the rank being debugged included, as soon as a
-    breakpoint() left in code that every rank runs is reached. Going on instead lets the
-    other ranks wait at their next collective while one rank is debugged."""
-    if os.environ.get("PYTHONBREAKPOINT"):
-        return sys.__breakpointhook__(*args, **kwargs)  # the user chose a debugger
-    rank = os.environ.get("RANK", "?")
-    sys.stderr.write(f"mplaunch: breakpoint() skipped in rank {rank}, which has no "
-                     f"terminal to read (launch(..., stdin_rank={rank}) gives it the "
-                     "terminal)\n")
-    return None
 
 
 # -- print ------------------------------------------------------------------------------

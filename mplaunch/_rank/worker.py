@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-from . import (cells, collectives, heal, procgroup, reloads, rendezvous,
+from . import (cells, collectives, debugging, heal, procgroup, reloads, rendezvous,
                call_loop as serving, streams)
 # Imported here, not when first used: the server imports this module before it forks
 # any rank (a forked rank finds them loaded), and every rank needs them.
@@ -178,6 +178,7 @@ def _run_and_report(spec, fds: dict) -> int:
     sock = socket.socket(fileno=fds["result"])
     global _channel_inode
     _channel_inode = os.fstat(sock.fileno()).st_ino
+    debugging.install(sock, spec.rank)   # pdb and input() ask the launching process
     if spec.serve:
         heal.arm_release()   # before the first call: every thread must inherit its mask
         serving.arm()        # the World's interrupt: only inside a call's window
@@ -217,10 +218,14 @@ def _call_and_report(sock, spec, payload_fd: int, changes=(), first: bool = Fals
             # The World's interrupt may end the call's own code, never mplaunch's
             # calls of a heal (the group's state, its rebuild) nor their set-up.
             serving.accept_interrupts(not serving.own_call(func))
+            # mplaunch's own calls (a heal's, World.debug's) keep the last error
+            debugging.call_begins(keep=serving.own_call(func)
+                                  or debugging.is_post_mortem(func))
             try:
                 value = func(*args, **kwargs)
             finally:
                 serving.accept_interrupts(False)
+                debugging.call_ends()
                 mainglobals.settle(func)   # what the call assigned is the rank's
     except SystemExit as exc:
         serving.accept_interrupts(False)
@@ -234,6 +239,7 @@ def _call_and_report(sock, spec, payload_fd: int, changes=(), first: bool = Fals
         return exitcode
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt and pytest outcomes too
         serving.accept_interrupts(False)
+        debugging.on_error(exc, spec.serve, _from_users_code)
         if not spec.serve:
             procgroup.shield()   # its group ends after the report, before the SIGTERM
         _send_exception(sock, exc, EXIT_ERROR, hint=_spawn_style_hint(exc),

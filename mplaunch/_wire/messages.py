@@ -57,6 +57,7 @@ EXIT_CHANNEL_CLOSED = 71  # the rank closed its result socket before it could an
 RESULT_TAG = b"o"       # a return value, pickled with its tensors' fds (_wire.payload)
 MESSAGE_TAG = b"p"      # a pickled record of this module (Returned or Raised)
 CALL_TAG = b"c"         # launching process -> a World's rank: run the attached payload
+DEBUG_TAG = b"d"        # launching process -> a rank: the answer to its DebugAsk
 
 
 # -- the lifeline ----------------------------------------------------------------------
@@ -179,6 +180,18 @@ class KeptGlobals(NamedTuple):
     the call (_rank.reloads)."""
     tag = "kept"
     names: Tuple[tuple, ...]
+
+
+class DebugAsk(NamedTuple):
+    """A rank asks its user for something (_rank.debugging): ``open``, whether anybody
+    can answer (a pdb about to stop at `where`); ``line``, a line for input() or pdb,
+    shown after `text` (`hold`: pdb's, which keeps the turn until ``end``); ``end``, its
+    pdb continued or quit. The answer is a DEBUG_TAG frame."""
+    tag = "debug"
+    kind: str
+    text: str
+    where: str
+    hold: bool
 
 
 class Raised(NamedTuple):

@@ -1,0 +1,325 @@
+"""The launching process's side of pdb and input() in a rank (_rank.debugging): it
+answers each rank's request for a line with a line from wherever its user is, one
+rank at a time.
+
+Where the user is (a *front-end*) is looked up when a rank first asks, not when the
+ranks start: a World started in one cell and called from another asks the kernel
+that runs the call. In order:
+
+- a front-end the caller set (the pytest plugin under ``--pdb``: its terminal, with
+  pytest's capture suspended while a rank holds it);
+- an IPython kernel whose frontend takes input (Jupyter, VS Code): the kernel's own
+  ``input()``, so the prompt is the notebook's input box;
+- a terminal that this process may read (``stdin_rank`` not None): the prompt is
+  written to stdout, and the line read from fd 0 on the group's selector, so the
+  ranks' output, their deaths and Ctrl-C are handled while the user types;
+- nobody: ``breakpoint()`` is skipped with a note and ``input()`` raises EOFError.
+
+The turn: the first rank to ask holds it (for pdb, until it continues or quits, or
+its call ends); another rank asking meanwhile is named once and answered after. While
+a rank holds it or waits, the launch's and the call's timeouts are paused
+(``paused()``): a debugged rank is not a hung one.
+"""
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import sys
+import time
+from typing import List, Optional
+
+from .._wire.channel import send_framed
+from .._wire.messages import DEBUG_TAG, DebugAsk
+from .terminal import stdin_is_terminal
+
+# Set by the pytest plugin (under --pdb) for the test it runs: a front-end factory.
+override = None
+
+
+class Debugging:
+    """One RankGroup's requests for lines."""
+
+    def __init__(self, sel: selectors.BaseSelector, stdin_rank: Optional[int]):
+        self._sel = sel
+        self._stdin_rank = stdin_rank
+        self._frontend = None
+        self._holder = None            # the RankState whose request is being answered
+        self._holding = False          # its pdb keeps the turn between prompts
+        self._waiting: List[tuple] = []   # (RankState, DebugAsk) in order
+        self._asked = None             # the request the front-end is answering
+        self._interrupted = False
+        self._paused = 0.0
+        self._since: Optional[float] = None
+
+    # -- what the group tells it ---------------------------------------------------------
+    def on_ask(self, r, ask: DebugAsk) -> None:
+        if ask.kind in ("open", "post-mortem"):
+            wanted = ask.kind == "open" or _post_mortem_wanted()
+            if not wanted or self._interrupted or self._front() is None:
+                self._answer(r, "n")
+                return
+        if ask.kind == "end":
+            if self._holder is r:
+                self._release()
+            return
+        self._clock(True)
+        if self._holder is None or self._holder is r:
+            self._serve(r, ask)
+            return
+        self._waiting.append((r, ask))
+        if ask.kind != "line" or ask.hold:
+            what = "an error" if ask.kind == "post-mortem" else "a breakpoint"
+            at = f" at {ask.where}" if ask.where else ""
+            _note(f"mplaunch: rank {r.spec.rank} stopped at {what}{at} and waits for "
+                  f"rank {self._holder.spec.rank}'s debugger to continue ('c')")
+
+    def gone(self, r) -> None:
+        """Rank `r` answered its call or died: its requests are over."""
+        self._waiting = [(w, a) for w, a in self._waiting if w is not r]
+        if self._holder is r:
+            self._release()
+
+    def interrupt(self) -> None:
+        """The call is being interrupted or torn down: every request is answered so (a
+        pdb continues, into the World's interrupt; input() raises), and no rank opens
+        another until the next call."""
+        if self._interrupted:
+            return
+        self._interrupted = True
+        asked = [self._holder] if self._asked is not None else []
+        asked += [w for w, _ in self._waiting]
+        self._waiting = []
+        self._stop_reading()
+        self._holder, self._asked, self._holding = None, None, False
+        for r in asked:
+            self._answer(r, "I")
+        self._clock(False)
+
+    def new_call(self) -> None:
+        self._interrupted = False
+        self._frontend = None
+
+    def paused(self) -> float:
+        """Seconds a rank has held or waited for the turn, in this group's life."""
+        if self._since is None:
+            return self._paused
+        return self._paused + time.monotonic() - self._since
+
+    # -- serving -----------------------------------------------------------------------
+    def _front(self):
+        if self._frontend is None:
+            self._frontend = _choose(self._stdin_rank)
+        return self._frontend or None
+
+    def _serve(self, r, ask: DebugAsk) -> None:
+        front = self._front()
+        if front is None or self._interrupted:
+            self._answer(r, "N" if ask.kind == "line" else "n")
+            self.gone(r)
+            return
+        if self._holder is not r:
+            self._holder = r
+            front.opened()
+        if ask.kind != "line":   # pdb is about to stop there: the turn is its own
+            self._holding = True
+            self._answer(r, "y")
+            return
+        self._holding = ask.hold
+        self._asked = ask
+        prompt = f"[rank {r.spec.rank}] {ask.text}"
+        try:
+            front.ask(prompt, self._sel, self._on_line)
+        except KeyboardInterrupt:
+            self._on_interrupt()
+
+    def _on_line(self, line: Optional[str]) -> None:
+        """The front-end's answer to the request: the line, or None at end of input."""
+        r = self._holder
+        if r is None or self._asked is None:
+            return
+        self._asked = None
+        self._answer(r, "E" if line is None else "L" + line)
+        if not self._holding:
+            self._release()
+
+    def _on_interrupt(self) -> None:
+        # The kernel's interrupt came while its input box was open: as Ctrl-C would
+        # have, it goes to whatever this process's SIGINT handler is now (the World's).
+        self.interrupt()
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            handler(signal.SIGINT, None)
+        else:
+            raise KeyboardInterrupt
+
+    def _release(self) -> None:
+        self._stop_reading()
+        front = self._frontend
+        self._holder, self._asked, self._holding = None, None, False
+        if front:
+            front.closed()
+        if self._waiting:
+            r, ask = self._waiting.pop(0)
+            self._serve(r, ask)
+        else:
+            self._clock(False)
+
+    def _stop_reading(self) -> None:
+        front = self._frontend
+        if front:
+            front.cancel(self._sel)
+
+    def _clock(self, running: bool) -> None:
+        now = time.monotonic()
+        if running and self._since is None:
+            self._since = now
+        elif not running and self._since is not None:
+            self._paused += now - self._since
+            self._since = None
+
+    @staticmethod
+    def _answer(r, text: str) -> None:
+        try:
+            send_framed(r.reader.sock, DEBUG_TAG + text.encode("utf-8", "replace"))
+        except (OSError, ValueError):
+            pass   # it is gone: its exit says so
+
+
+def _post_mortem_wanted() -> bool:
+    """A rank's error opens pdb there: ``MPLAUNCH_POST_MORTEM=1`` in this process's
+    environment (``mplaunch --pdb`` sets it), or pytest's ``--pdb`` (the plugin's
+    front-end)."""
+    if override is not None and getattr(override, "post_mortem", False):
+        return True
+    return os.environ.get("MPLAUNCH_POST_MORTEM", "") not in ("", "0")
+
+
+def _note(text: str) -> None:
+    try:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+# -- front-ends --------------------------------------------------------------------------
+
+def _choose(stdin_rank: Optional[int]):
+    """The front-end for this call, or False for none."""
+    if override is not None:
+        return override()
+    kernel = _kernel()
+    if kernel is not None:
+        return Kernel() if getattr(kernel, "_allow_stdin", False) else False
+    if stdin_rank is not None and stdin_is_terminal():
+        return Terminal()
+    return False
+
+
+def _kernel():
+    if "ipykernel" not in sys.modules:
+        return None
+    try:
+        from IPython import get_ipython
+        shell = get_ipython()
+    except Exception:  # noqa: BLE001
+        return None
+    return getattr(shell, "kernel", None)
+
+
+class Kernel:
+    """A Jupyter kernel: the line is its ``input()``, the frontend's input box. It
+    blocks this process's loop until the user answers (the kernel has nothing else to
+    do meanwhile: the cell is this call); the kernel's interrupt raises in it."""
+
+    def opened(self) -> None:
+        pass
+
+    def closed(self) -> None:
+        pass
+
+    def cancel(self, sel) -> None:
+        pass
+
+    def ask(self, prompt: str, sel, answer) -> None:
+        import builtins
+        try:
+            previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        except ValueError:   # not the main thread: the World's handler stays
+            previous = None
+        try:
+            line = builtins.input(prompt)
+        except EOFError:
+            line = None
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        answer(line)
+
+
+class Terminal:
+    """This process's terminal: the prompt to stdout, the line from fd 0, read on the
+    group's selector as it comes."""
+
+    def __init__(self, fd: int = 0, out=None):
+        self._fd = fd
+        self._out = out
+        self._buf = b""
+        self._answer = None
+        self._sel = None
+
+    def opened(self) -> None:
+        pass
+
+    def closed(self) -> None:
+        pass
+
+    def ask(self, prompt: str, sel, answer) -> None:
+        out = self._out or sys.stdout
+        try:
+            out.write(prompt)
+            out.flush()
+        except (OSError, ValueError):
+            pass
+        self._answer, self._sel = answer, sel
+        if self._take_line():
+            return
+        try:
+            sel.register(self._fd, selectors.EVENT_READ, self._readable)
+        except KeyError:
+            pass
+
+    def cancel(self, sel) -> None:
+        self._answer = None
+        try:
+            sel.unregister(self._fd)
+        except (KeyError, ValueError):
+            pass
+
+    def _readable(self, _fd) -> None:
+        try:
+            chunk = os.read(self._fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._deliver(None)
+            return
+        self._buf += chunk
+        self._take_line()
+
+    def _take_line(self) -> bool:
+        if b"\n" not in self._buf:
+            return False
+        line, self._buf = self._buf.split(b"\n", 1)
+        self._deliver(line.decode("utf-8", "replace"))
+        return True
+
+    def _deliver(self, line: Optional[str]) -> None:
+        answer = self._answer
+        if answer is None:
+            return
+        self.cancel(self._sel)   # typed-ahead lines wait in _buf for the next prompt
+        answer(line)

@@ -1,0 +1,259 @@
+"""pdb and input() in any rank, through the launching process (_engine.debugging).
+
+A rank has no terminal of its own: in a notebook none at all, in a script one rank at
+most. So every line a rank asks for (``input()``, and pdb's prompt, which is ``input()``
+too when pdb is given no stdin) goes up its result socket as a :class:`DebugAsk`, and
+the launching process answers it with a line from wherever its user is: the kernel's
+input box, its terminal, pytest's suspended capture. It answers one rank at a time: a
+rank in pdb holds the turn from its first prompt until it continues, quits or its call
+ends; another rank that asks meanwhile waits for its answer, and is named.
+
+What pdb prints goes to the rank's stdout, relayed with its prefix as any output; the
+prompt (``[rank 1] (Pdb) ``) is the line's request. Rejected: a pdb over a socket of
+its own per rank (remote-pdb, Monarch's): a second terminal, and no turn-taking.
+
+- ``breakpoint()`` first asks whether anybody can answer (``open``): where nobody can
+  (a script whose stdin is not a terminal, pytest without ``--pdb``), it is skipped
+  with a note, as before, instead of failing the rank on pdb's EOF.
+- ``pdb.set_trace()`` and ``pdb.post_mortem()`` work as they are: pdb's own class asks
+  through ``input()``. The session's end is learnt by wrapping that instance's
+  ``set_continue`` and ``set_quit``; pdb is taught to skip mplaunch's frames.
+- The launching process's interrupt (Ctrl-C, the kernel's stop button) answers a
+  waiting pdb with ``c``, and the World's interrupt, sent after it, ends the call in
+  the user's code as it would have without a debugger; a waiting ``input()`` raises
+  KeyboardInterrupt.
+
+This module is plumbing: the World's interrupt is never raised in its frames while it
+waits for a line (the line, or ``c``, comes instead).
+"""
+from __future__ import annotations
+
+import builtins
+import os
+import pickle
+import sys
+from typing import Optional
+
+from .._wire.channel import recv_framed, send_framed
+from .._wire.messages import DEBUG_TAG, MESSAGE_TAG, DebugAsk
+
+# mplaunch's own plumbing: an interrupt is never raised in its frames (_rank.call_loop)
+__mplaunch_plumbing__ = True
+
+_sock = None
+_rank = "?"
+_holder = None        # the pdb instance holding the turn, while one does
+_kept: Optional[BaseException] = None   # a World's rank: its last call's error
+_SKIP = ("mplaunch._rank.*", "mplaunch._wire.*", "mplaunch._server.*", "mplaunch.*")
+_builtin_input = builtins.input
+
+
+def install(sock, rank) -> None:
+    """Ask the launching process for lines from now on (`sock`: the result socket)."""
+    global _sock, _rank
+    _sock, _rank = sock, rank
+    builtins.input = _input
+    if not os.environ.get("PYTHONBREAKPOINT"):
+        sys.breakpointhook = _breakpoint
+
+
+def call_begins(keep: bool) -> None:
+    """A call starts; its error is kept for post-mortem (``World.debug``) until the next
+    one, unless this is that post-mortem (`keep`)."""
+    global _kept
+    if not keep:
+        _kept = None
+
+
+def on_error(exc: BaseException, serve: bool, cut) -> None:
+    """The call raised `exc`. A World's rank keeps it for ``World.debug()``; where the
+    launching process wants post-mortems (``MPLAUNCH_POST_MORTEM=1``, pytest --pdb),
+    pdb opens at the frame that raised, before the error is sent (the other ranks wait,
+    as at a breakpoint). `cut` trims mplaunch's frames off the traceback."""
+    global _kept
+    if not isinstance(exc, Exception) or type(exc).__name__ == "BdbQuit" \
+            or getattr(exc, "kind", None) in ("skip", "xfail"):
+        return
+    if serve:
+        _kept = exc
+    if _sock is not None and _holder is None:
+        cut(exc)
+        post_mortem(exc, ask="post-mortem")
+
+
+def is_post_mortem(func) -> bool:
+    return getattr(func, "__mplaunch_post_mortem__", False) is True
+
+
+def world_post_mortem(rank: int) -> Optional[bool]:
+    """World.debug's call: pdb at the kept error's frame in `rank` (post_mortem's
+    answer); the others return at once."""
+    if int(os.environ.get("RANK", "-1")) != rank:
+        return None
+    return post_mortem()
+
+
+world_post_mortem.__mplaunch_post_mortem__ = True
+
+
+def call_ends() -> None:
+    """The call returned or raised: a pdb still stepping through it (``n`` past its
+    last line) gives the turn back, and stops tracing mplaunch's frames."""
+    global _holder
+    if _holder is not None:
+        _holder = None
+        sys.settrace(None)
+        _tell("end")
+
+
+# -- what a rank's code calls ----------------------------------------------------------
+
+def _breakpoint(*args, **kwargs):
+    """sys.breakpointhook: pdb at the caller, if the launching process can answer."""
+    frame = sys._getframe(1)
+    where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    answer = _ask("open", "", where)
+    if answer == "n":
+        sys.stderr.write(
+            f"mplaunch: breakpoint() skipped in rank {_rank}: nobody can answer its "
+            "prompt here (a script whose stdin is not a terminal, or pytest without "
+            "--pdb)\n")
+    if answer != "y":
+        return None   # "n", or "I": the launching process was interrupted meanwhile
+    import pdb
+    pdb.Pdb(skip=list(_SKIP)).set_trace(frame)
+    return None
+
+
+def post_mortem(exc: Optional[BaseException] = None,
+                ask: str = "open") -> Optional[bool]:
+    """pdb at the frame that raised `exc` (default: the kept error of the last call):
+    True once it ended, None where there is no error, False where nobody can answer."""
+    exc = _kept if exc is None else exc
+    if exc is None or exc.__traceback__ is None:
+        return None
+    tb = exc.__traceback__
+    where = ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+    if _ask(ask, "", where) != "y":
+        return False
+    import pdb
+    p = pdb.Pdb(skip=list(_SKIP))
+    p.reset()
+    sys.stdout.write(f"mplaunch: rank {_rank} post-mortem: "
+                     f"{type(exc).__name__}: {exc}\n")
+    try:
+        p.interaction(None, exc.__traceback__)
+    finally:
+        if _holder is p:
+            call_ends()
+    return True
+
+
+def _input(prompt: object = "") -> str:
+    """builtins.input in a rank: a line from the launching process's user."""
+    if _sock is None:
+        return _builtin_input(prompt)
+    debugger = _calling_debugger()
+    if debugger is not None:
+        _hold(debugger)
+    text = str(prompt)
+    answer = _ask("line", text, "", hold=debugger is not None)
+    kind, line = answer[:1], answer[1:]
+    if kind == "L":
+        return line
+    if kind == "E":
+        raise EOFError
+    if debugger is not None:
+        # Nobody to answer ("N"), or the launching process was interrupted ("I"): go on;
+        # the World's interrupt, sent next, ends the call in the user's code.
+        _release(debugger)
+        return "c"
+    if kind == "I":
+        raise KeyboardInterrupt
+    raise EOFError("mplaunch: nobody can answer input() in this rank here (a script "
+                   "whose stdin is not a terminal, or pytest without --pdb)")
+
+
+# -- the turn ------------------------------------------------------------------------
+
+def _calling_debugger():
+    """The bdb.Bdb instance whose prompt called input(), if one did."""
+    bdb = sys.modules.get("bdb")
+    if bdb is None:
+        return None
+    frame = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, bdb.Bdb):
+            return obj
+        frame = frame.f_back
+    return None
+
+
+def _hold(debugger) -> None:
+    """`debugger` holds the turn until it continues or quits (or the call ends)."""
+    global _holder
+    if _holder is debugger:
+        return
+    _holder = debugger
+    if getattr(debugger, "_mplaunch_wrapped", False):
+        return
+    debugger._mplaunch_wrapped = True
+    if not debugger.skip:
+        debugger.skip = set(_SKIP)
+    for name in ("set_continue", "set_quit"):
+        original = getattr(debugger, name)
+
+        def wrapped(*args, _original=original, **kwargs):
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                _release(debugger)
+        setattr(debugger, name, wrapped)
+
+
+def _release(debugger) -> None:
+    global _holder
+    if _holder is debugger:
+        _holder = None
+        _tell("end")
+
+
+# -- the wire --------------------------------------------------------------------------
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001 - a closed stream: nothing to order
+            pass
+    from . import streams
+    streams.wait_relayed()   # what pdb printed is shown before its prompt
+
+
+def _tell(kind: str, text: str = "", where: str = "", hold: bool = False) -> None:
+    _flush()
+    msg = DebugAsk(kind, text, where, hold)
+    try:
+        send_framed(_sock, MESSAGE_TAG + pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+    except OSError:
+        pass   # the launching process is gone: the death signal ends this rank
+
+
+def _ask(kind: str, text: str, where: str, hold: bool = False) -> str:
+    """Send an ask and block for its answer: "y"/"n" to ``open``; "L" and the line,
+    "E" (end of input), "N" (nobody to answer) or "I" (interrupted) to ``line``."""
+    _tell(kind, text, where, hold)
+    while True:
+        data, fds = recv_framed(_sock)
+        for fd in fds:
+            os.close(fd)
+        if data is None:
+            return "N" if kind == "line" else "n"
+        if data[:1] == DEBUG_TAG:
+            return data[1:].decode("utf-8", "replace")
