@@ -129,6 +129,10 @@ def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     pull.add_argument("name")
     sub.add_parser("stacks", help="where each rank is now (every thread's innermost "
                                   "frames, grouped), without stopping anything")
+    debug = sub.add_parser("debug", help="pdb at the frame that raised the last cell's "
+                                         "error, in the rank that raised it")
+    debug.add_argument("rank", nargs="?", type=int, default=None,
+                       help="the rank to open (default: the first whose error it was)")
     cell = _Parser(prog="%%ranks", description="Run the cell in every rank.")
     cell.add_argument("--timeout", type=float, default=None,
                       help="seconds this cell may run (default: the world's)")
@@ -175,7 +179,8 @@ class _Ranks:
         ``%ranks start [N] [--backend B] [--timeout S] [--grace-period S] [--no-heal]
         [--log-dir D] [--env NAME=VALUE]``, ``%ranks stop``, ``%ranks restart``,
         ``%ranks push NAME...``, ``%ranks pull NAME`` (a list by rank), ``%ranks
-        stacks`` (where each rank is now), and ``%ranks`` (status). ``%ranks --help``
+        stacks`` (where each rank is now), ``%ranks debug [RANK]`` (pdb at the last
+        cell's error in that rank), and ``%ranks`` (status). ``%ranks --help``
         and ``%ranks start --help`` list the options.
         """
         __tracebackhide__ = True  # noqa: F841 - IPython leaves our frames out
@@ -208,6 +213,14 @@ class _Ranks:
         elif args.command == "stacks":
             print(self.world.stacks() if self.world is not None and self.world.pids
                   else "no rank is running")
+        elif args.command == "debug":
+            if self.world is None or not self.world.pids:
+                raise Usage("no rank is running: %ranks debug opens the last cell's "
+                            "error in the rank that raised it")
+            try:
+                self.world.debug(args.rank)
+            except (RuntimeError, ValueError) as exc:
+                raise Usage(str(exc)) from None
         return None
 
     def status(self) -> str:

@@ -5,13 +5,14 @@ behaviour users see.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
 import cloudpickle
 import pytest
 
-from ._engine import servers
+from ._engine import debugging, servers
 from ._launch import launch as _launch
 from ._wire import pickler
 from ._rank.pytest_rank import _RankOutcome, _run_in_rank, _run_in_reused_rank
@@ -61,12 +62,8 @@ def run_test(pyfuncitem, opts: dict) -> bool:
         servers.get_server(opts["preload"]).wait_ready()
     failure = None
     try:
-        if reuse:
-            heal = bool(pyfuncitem.config.getini("mplaunch_reuse_heal"))
-            _reused_world(pyfuncitem.config).run(blob, settings, backend,
-                                                 dict(opts, heal=heal))
-        else:
-            _launch(_run_in_rank, (blob, settings), backend=backend, **opts)
+        with _ranks_debugged(pyfuncitem):
+            _run(pyfuncitem, blob, settings, backend, reuse, opts)
     except MainProcessError as err:
         if err.signal_name == "SIGINT":
             raise KeyboardInterrupt from err  # Ctrl-C ends the session, as without us
@@ -78,6 +75,62 @@ def run_test(pyfuncitem, opts: dict) -> bool:
         # as it was, not as "during handling of WorkerError".
         raise _outcome_for(failure, _size(opts), pyfuncitem)
     return True
+
+
+def _run(pyfuncitem, blob, settings, backend, reuse: bool, opts: dict) -> None:
+    __tracebackhide__ = True
+    if reuse:
+        heal = bool(pyfuncitem.config.getini("mplaunch_reuse_heal"))
+        _reused_world(pyfuncitem.config).run(blob, settings, backend,
+                                             dict(opts, heal=heal))
+    else:
+        _launch(_run_in_rank, (blob, settings), backend=backend, **opts)
+
+
+# A test whose failing rank was opened in pdb (pytest --pdb): pytest's own post-mortem
+# of the WorkerError in this process is skipped (RankPdbInvoke).
+DEBUGGED = pytest.StashKey[bool]()
+
+
+@contextlib.contextmanager
+def _ranks_debugged(item):
+    """Under ``--pdb``, a rank's breakpoint() and its error open pdb in this terminal,
+    pytest's capture suspended meanwhile (as pytest's own pdb does)."""
+    config = item.config
+    if not config.getoption("usepdb", False):
+        yield
+        return
+    capman = config.pluginmanager.getplugin("capturemanager")
+
+    def front():
+        return debugging.Suspending(
+            lambda: capman.suspend_global_capture(in_=True) if capman else None,
+            lambda: capman.resume_global_capture() if capman else None)
+    front.post_mortem = True
+    before = debugging.sessions()
+    debugging.override = front
+    try:
+        yield
+    finally:
+        debugging.override = None
+        if debugging.sessions() != before:
+            item.stash[DEBUGGED] = True
+
+
+class RankPdbInvoke:
+    """pytest's --pdb plugin, except for a test whose rank was debugged already: its
+    WorkerError in this process has nothing more to show."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def pytest_exception_interact(self, node, call, report):
+        if node.stash.get(DEBUGGED, False):
+            return None
+        return self.inner.pytest_exception_interact(node, call, report)
+
+    def pytest_internalerror(self, excinfo):
+        return self.inner.pytest_internalerror(excinfo)
 
 
 def _size(opts: dict):

@@ -103,8 +103,16 @@ def pytest_addoption(parser):
                   "ends the world (strict isolation)", type="bool", default=True)
 
 
+@pytest.hookimpl(trylast=True)   # after pytest's debugging plugin registers pdbinvoke
 def pytest_configure(config):
     config.addinivalue_line("markers", _MARKER_HELP.format(names=_scheduler_names(config)))
+    pdbinvoke = config.pluginmanager.getplugin("pdbinvoke")
+    if pdbinvoke is not None:
+        # --pdb: a failing rank opens pdb in the rank (_pytest_run); pytest's own then
+        # skips that test's WorkerError in this process.
+        from ._pytest_run import RankPdbInvoke
+        config.pluginmanager.unregister(pdbinvoke)
+        config.pluginmanager.register(RankPdbInvoke(pdbinvoke), "pdbinvoke")
 
 
 def _scheduler_names(config) -> str:

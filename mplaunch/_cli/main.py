@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "error.json for a failing rank")
     p.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
                    help="stop after this long, print every rank's stack, exit 124")
+    p.add_argument("--pdb", action="store_true",
+                   help="a rank's uncaught error opens pdb at its frame, in this "
+                        "terminal, one rank at a time (as MPLAUNCH_POST_MORTEM=1)")
     p.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
                    help="on a failure, start every rank again up to N times")
     p.add_argument("--grace-period", "--shutdown-timeout", type=_seconds, default=None,
@@ -362,6 +365,8 @@ def run(argv: Sequence[str]) -> int:
         say(f"error: {exc}")
         return EXIT_USAGE
 
+    if ns.pdb:
+        os.environ["MPLAUNCH_POST_MORTEM"] = "1"   # read when a rank fails (_engine.debugging)
     from .._launch import run as run_launch
     from ..errors import LaunchTimeout, MainProcessError, WorkerError
     try:

@@ -35,13 +35,20 @@ from .terminal import stdin_is_terminal
 
 # Set by the pytest plugin (under --pdb) for the test it runs: a front-end factory.
 override = None
+_sessions = [0]   # debugger sessions opened in this process (the pytest plugin asks)
+
+
+def sessions() -> int:
+    return _sessions[0]
 
 
 class Debugging:
     """One RankGroup's requests for lines."""
 
-    def __init__(self, sel: selectors.BaseSelector, stdin_rank: Optional[int]):
+    def __init__(self, sel: selectors.BaseSelector, stdin_rank: Optional[int],
+                 group=None):
         self._sel = sel
+        self._group = group            # its relays follow a front-end that moves them
         self._stdin_rank = stdin_rank
         self._frontend = None
         self._holder = None            # the RankState whose request is being answered
@@ -49,6 +56,7 @@ class Debugging:
         self._waiting: List[tuple] = []   # (RankState, DebugAsk) in order
         self._asked = None             # the request the front-end is answering
         self._interrupted = False
+        self._relay_moved = None       # the relays' sinks before the front-end's
         self._paused = 0.0
         self._since: Optional[float] = None
 
@@ -73,6 +81,9 @@ class Debugging:
             at = f" at {ask.where}" if ask.where else ""
             _note(f"mplaunch: rank {r.spec.rank} stopped at {what}{at} and waits for "
                   f"rank {self._holder.spec.rank}'s debugger to continue ('c')")
+
+    def refuse(self, r) -> None:
+        self._answer(r, "I")
 
     def gone(self, r) -> None:
         """Rank `r` answered its call or died: its requests are over."""
@@ -120,14 +131,16 @@ class Debugging:
             return
         if self._holder is not r:
             self._holder = r
+            _sessions[0] += 1
             front.opened()
+            self._relay_moved = self._move_relays(front)
         if ask.kind != "line":   # pdb is about to stop there: the turn is its own
             self._holding = True
             self._answer(r, "y")
             return
         self._holding = ask.hold
         self._asked = ask
-        prompt = f"[rank {r.spec.rank}] {ask.text}"
+        prompt = _prefix(r) + ask.text
         try:
             front.ask(prompt, self._sel, self._on_line)
         except KeyboardInterrupt:
@@ -159,11 +172,29 @@ class Debugging:
         self._holder, self._asked, self._holding = None, None, False
         if front:
             front.closed()
+            if self._relay_moved is not None and self._group is not None:
+                self._group.relay_to(*self._relay_moved)
+            self._relay_moved = None
         if self._waiting:
             r, ask = self._waiting.pop(0)
             self._serve(r, ask)
         else:
             self._clock(False)
+
+    def _move_relays(self, front):
+        """Where the front-end swapped this process's streams (pytest's capture,
+        suspended), the ranks' output goes to the ones now in place while a rank holds
+        the turn: what pdb prints is read with its prompt. The sinks before, or None."""
+        group = self._group
+        if not getattr(front, "moves_streams", False) or group is None:
+            return None
+        r = next((r for r in group.ranks if r.out is not None and r.err is not None),
+                 None)
+        if r is None:
+            return None
+        before = (r.out.sink, r.err.sink)
+        group.relay_to(sys.stdout, sys.stderr)
+        return before
 
     def _stop_reading(self) -> None:
         front = self._frontend
@@ -184,6 +215,12 @@ class Debugging:
             send_framed(r.reader.sock, DEBUG_TAG + text.encode("utf-8", "replace"))
         except (OSError, ValueError):
             pass   # it is gone: its exit says so
+
+
+def _prefix(r) -> str:
+    """The rank's output prefix, so its prompt reads as its other lines do."""
+    prefix = r.out.prefix.decode("utf-8", "replace") if r.out is not None else ""
+    return prefix or f"[rank{r.spec.rank}]: "
 
 
 def _post_mortem_wanted() -> bool:
@@ -323,3 +360,20 @@ class Terminal:
             return
         self.cancel(self._sel)   # typed-ahead lines wait in _buf for the next prompt
         answer(line)
+
+
+class Suspending(Terminal):
+    """The terminal, taken from whoever else holds it while a rank asks (pytest's
+    capture): `suspend` when a rank takes the turn, `resume` when it gives it back."""
+
+    moves_streams = True
+
+    def __init__(self, suspend, resume):
+        super().__init__()
+        self._suspend, self._resume = suspend, resume
+
+    def opened(self) -> None:
+        self._suspend()
+
+    def closed(self) -> None:
+        self._resume()

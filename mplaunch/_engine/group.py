@@ -72,8 +72,7 @@ class RankGroup:
         self.lock = self.spawner.lock
         self._by_pid: Dict[int, RankState] = {}
         self._sel = selectors.DefaultSelector()
-        # A rank's request for a line (pdb, input()): answered one rank at a time
-        self.debug = Debugging(self._sel, cfg.stdin_rank)
+        self.debug = Debugging(self._sel, cfg.stdin_rank, self)   # pdb, input() in ranks
         self._waker = waker
         self._closed = False
         self.heal = False   # a healing World's call: see fail()
@@ -147,16 +146,14 @@ class RankGroup:
 
     def exited(self, pid: int, status: int, max_rss: Optional[int] = None,
                note: Optional[str] = None, token: Optional[int] = None) -> None:
-        """`note`: what the kernel says of its death (the OOM killer), if anything.
-        `token` names the rank for a spawner whose pids may repeat (several nodes')."""
+        """`note`: the kernel's word on its death (OOM); `token`: it, if pids repeat."""
         r = self.ranks[token] if token is not None else self._by_pid.get(pid)
         if r is not None and r.alive and r.pid is not None:
             r.max_rss, r.exit_note = max_rss, note
             self._on_exit(r, status)
 
     def node_lost(self, tokens: Sequence[int], message: str) -> None:
-        """A node of a World across nodes is gone with its ranks: recorded as their
-        deaths, and the whole group torn down (no rank is replaced on a lost node)."""
+        """A node is gone with its ranks: their deaths; the whole group torn down."""
         lost = [self.ranks[t] for t in tokens if self.ranks[t].alive]
         for r in lost:
             r.status, r.exited_at = signal.SIGKILL, time.time()
@@ -254,13 +251,9 @@ class RankGroup:
 
     def _on_message(self, r: RankState, data: bytes, fds: list) -> None:
         tag, body = data[:1], data[1:]
-        msg = _answer(r, tag, body, fds)
-        if isinstance(msg, DebugAsk):
-            self.debug.on_ask(r, msg)
-            return
+        msg = _answer(r, tag, body, fds, self.debug)
         if msg is _NOT_AN_ANSWER:
             return
-        self.debug.gone(r)   # it answered: any line it asked for is no longer wanted
         if tag == RESULT_TAG:
             try:
                 r.result = loads_result(body, fds)
@@ -373,8 +366,7 @@ class RankGroup:
             for r in self.ranks:
                 r.close()
         self.spawner.close()
-        # The spawner reports to us and we hold it: without this the pair (and every
-        # result held by a rank's state) would live until the cycle collector runs.
+        # It reports to us and we hold it: else the pair lives until the cycle collector.
         self.spawner.events = None
         self._sel.close()
 
@@ -382,7 +374,7 @@ class RankGroup:
 _NOT_AN_ANSWER = object()
 
 
-def _answer(r: RankState, tag: bytes, body: bytes, fds: list):
+def _answer(r: RankState, tag: bytes, body: bytes, fds: list, debug: Debugging):
     """A message of rank `r` as the current call sees it: its answer (the record, or
     None for a RESULT_TAG result, whose fds are then the caller's), counted off, or
     _NOT_AN_ANSWER: a KeptGlobals note (kept on `r`, before its answer), or anything
@@ -404,8 +396,12 @@ def _answer(r: RankState, tag: bytes, body: bytes, fds: list):
             r.kept_globals += msg.names   # before its answer (_wire.mainglobals)
         return _NOT_AN_ANSWER
     if isinstance(msg, DebugAsk):
-        return msg   # not an answer: a request for a line (_engine.debugging)
+        # Not an answer: a request for a line (an older call's: refused as interrupted)
+        debug.on_ask(r, msg) if not stale else debug.refuse(r)
+        return _NOT_AN_ANSWER
     r.answers += 1
+    if not stale:
+        debug.gone(r)   # it answered: a line it asked for is no longer wanted
     return _NOT_AN_ANSWER if stale else msg
 
 

@@ -57,11 +57,12 @@ def install(sock, rank) -> None:
         sys.breakpointhook = _breakpoint
 
 
-def call_begins(keep: bool) -> None:
-    """A call starts; its error is kept for post-mortem (``World.debug``) until the next
-    one, unless this is that post-mortem (`keep`)."""
+def call_begins(func) -> None:
+    """A call of `func` starts: the last call's error, kept for ``World.debug``, is
+    forgotten, unless `func` is mplaunch's own (a heal's, or World.debug's)."""
     global _kept
-    if not keep:
+    from .call_loop import own_call
+    if not (own_call(func) or is_post_mortem(func)):
         _kept = None
 
 
@@ -121,7 +122,7 @@ def _breakpoint(*args, **kwargs):
     if answer != "y":
         return None   # "n", or "I": the launching process was interrupted meanwhile
     import pdb
-    pdb.Pdb(skip=list(_SKIP)).set_trace(frame)
+    pdb.Pdb(skip=list(_SKIP), nosigint=True).set_trace(frame)
     return None
 
 
@@ -140,7 +141,7 @@ def post_mortem(exc: Optional[BaseException] = None,
     if _ask(ask, "", where) != "y":
         return False
     import pdb
-    p = pdb.Pdb(skip=list(_SKIP))
+    p = pdb.Pdb(skip=list(_SKIP), nosigint=True)
     p.reset()
     sys.stdout.write(f"mplaunch: rank {_rank} post-mortem: "
                      f"{type(exc).__name__}: {exc}\n")
@@ -204,6 +205,9 @@ def _hold(debugger) -> None:
     if getattr(debugger, "_mplaunch_wrapped", False):
         return
     debugger._mplaunch_wrapped = True
+    # The World's interrupt is mplaunch's (_rank.call_loop), not pdb's "Program
+    # interrupted" after a continue.
+    debugger.nosigint = True
     if not debugger.skip:
         debugger.skip = set(_SKIP)
     for name in ("set_continue", "set_quit"):

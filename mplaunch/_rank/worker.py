@@ -31,8 +31,7 @@ __mplaunch_plumbing__ = True
 
 
 class _ChannelClosed(Exception):
-    """The rank closed (or replaced) the fd of its result channel: nothing can reach
-    the parent that way any more."""
+    """The rank closed (or replaced) its result channel's fd: nothing reaches the parent."""
 
 
 _TERMINATION_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGCHLD", "SIGPIPE",
@@ -67,13 +66,10 @@ def _take_over_process(fds: dict, expected_ppid: int, terminal: dict,
 
 def _lead_own_group(stdin) -> None:
     """Lead our own process group, so that teardown signals reach our descendants too.
-
-    A rank that reads the terminal leads its own session as well: a process group of
-    the terminal's session that is not in the foreground is stopped (SIGTTIN) when it
-    reads it, and a rank forked by the launching process (start_method="fork") would
-    be one. In a session of its own the terminal is not its controlling one, and reads
-    are plain reads. (Ranks the server forks are in its session, which has no terminal.)
-    """
+    A rank that reads the terminal leads its own session: a background process group
+    of the terminal's session (a rank forked by the launching process, start_method=
+    "fork") is stopped (SIGTTIN) when it reads it; in a session of its own, reads are
+    plain reads. (Ranks the server forks are in its session, which has no terminal.)"""
     if stdin is not None and os.isatty(stdin):
         try:
             os.setsid()
@@ -218,9 +214,7 @@ def _call_and_report(sock, spec, payload_fd: int, changes=(), first: bool = Fals
             # The World's interrupt may end the call's own code, never mplaunch's
             # calls of a heal (the group's state, its rebuild) nor their set-up.
             serving.accept_interrupts(not serving.own_call(func))
-            # mplaunch's own calls (a heal's, World.debug's) keep the last error
-            debugging.call_begins(keep=serving.own_call(func)
-                                  or debugging.is_post_mortem(func))
+            debugging.call_begins(func)   # the user's calls forget the last error
             try:
                 value = func(*args, **kwargs)
             finally:
