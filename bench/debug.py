@@ -70,13 +70,14 @@ def pids_and_sum():
     return os.getpid(), t.item()
 
 
-def stop_in(who, stamp):
+def stop_in(who, stamp, collective=True):
     t = torch.ones(1) * (rank() + 1)
     if rank() == who:
         with open(stamp, "w") as f:
             f.write(repr(time.time()))
         breakpoint()
-    dist.all_reduce(t)     # the others wait here for it
+    if collective:
+        dist.all_reduce(t)     # the others wait here for it
     return t.item()
 
 
@@ -90,10 +91,13 @@ def main():
         before = [p for p, _ in world.run(pids_and_sum)]
         world.run(pids_and_sum)
         out("READY", json.dumps(before))
-        for i in range(CFG["rounds"]):
+        for i in range(2 * CFG["rounds"]):
             who = i % n
+            # the first half: the others wait in all_reduce (the group is rebuilt);
+            # the second: they return at once (nothing left half-done)
+            collective = i < CFG["rounds"]
             try:
-                world.run(stop_in, (who, os.path.join(d, f"bp{{i}}")))
+                world.run(stop_in, (who, os.path.join(d, f"bp{{i}}"), collective))
                 out("ROUND", i, "NORAISE", time.time())
             except mplaunch.WorkerError as err:
                 out("ROUND", i, "RAISED", time.time(), json.dumps(err.healed))
@@ -206,10 +210,10 @@ def _stamp(path, wait=5.0):
     raise Failed(f"the rank wrote no stamp to {path}")
 
 
-def rounds(drv, n, r, before_pids):
+def rounds(drv, n, r, before_pids, first=0):
     expected = float(n)
     prompt, q_raise, q_next, kept, healed = [], [], [], [], set()
-    for i in range(r):
+    for i in range(first, first + r):
         who = i % n
         got_rank = drv.prompt(60, f"round {i}: rank {who}'s prompt")
         seen_at = time.time()
@@ -325,6 +329,8 @@ def main(argv=None) -> int:
                 log(f"1-2. {r} rounds of breakpoint() -> prompt -> q -> next run ...")
                 try:
                     res["rounds_result"] = rounds(drv, a.ranks, r, before)
+                    log("   the same, the other ranks not in a collective ...")
+                    res["idle_rounds"] = rounds(drv, a.ranks, r, before, first=r)
                 except Failed as exc:
                     failures.append(str(exc))
                     raise
@@ -356,9 +362,20 @@ def main(argv=None) -> int:
               f"{' | '.join(_ms(rr['q_next_s']))} | {_met(rr['q_next_s'])} |")
         print(f"| of which q -> world.run raising WorkerError | "
               f"{' | '.join(_ms(rr['q_raise_s']))} | |")
+        ir = res.get("idle_rounds")
+        if ir:
+            print(f"| for comparison, the others not in a collective (nothing to heal): "
+                  f"q -> next world.run returned | {' | '.join(_ms(ir['q_next_s']))} | "
+                  f"{_met(ir['q_next_s'])} |")
+            print(f"| ... and their breakpoint() -> prompt | "
+                  f"{' | '.join(_ms(ir['prompt_s']))} | {_met(ir['prompt_s'])} |")
         print(f"\nranks kept through each q (same pid, of {a.ranks}): "
               + ", ".join(str(k) for k in rr["ranks_kept"])
               + f"; the World said: {'; '.join(h for h in rr['healed'] if h) or '-'}")
+        if ir:
+            print("the others not in a collective: ranks kept "
+                  + ", ".join(str(k) for k in ir["ranks_kept"])
+                  + f"; the World said: {'; '.join(h for h in ir['healed'] if h) or '-'}")
     s = res.get("session")
     if s:
         print(f"\nsession: rank {1 % a.ranks} at its prompt {s['sat_s']:.0f} s (World "

@@ -215,6 +215,49 @@ def wait_for_go(flag_dir):
     return "went"
 
 
+def stop_in_rank_three_then_allreduce():
+    import torch
+    import torch.distributed as dist
+    secret = 21 * (dist.get_rank() + 1)
+    if os.environ["RANK"] == "3":
+        breakpoint()
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)   # the others wait here while rank 3 is in pdb
+    return t.item(), secret
+
+
+class Scripted:
+    """A debugging front-end (_engine.debugging) that answers prompts from a list, as a
+    user at the terminal would, `pause` seconds after each one."""
+
+    def __init__(self, lines, pause=0.0):
+        self.lines, self.pause, self.prompts = list(lines), pause, []
+
+    def opened(self):
+        pass
+
+    def closed(self):
+        pass
+
+    def cancel(self, sel):
+        pass
+
+    def ask(self, prompt, sel, answer):
+        self.prompts.append(prompt)
+        time.sleep(self.pause)
+        answer(self.lines.pop(0) if self.lines else "c")
+
+
+@contextlib.contextmanager
+def answering(front):
+    from mplaunch._engine import debugging
+    debugging.override = lambda: front
+    try:
+        yield front
+    finally:
+        debugging.override = None
+
+
 def fail_in_rank_three():
     count_calls()
     if os.environ["RANK"] == "3":
@@ -385,6 +428,30 @@ def test_an_exception_in_a_remote_rank_keeps_the_world(sched):
         assert w.pids == pids and agents(w) == agent_pids and sched.step(w) == step
         assert w.fresh_ranks == []
         assert w.run(count_calls) == [3] * 4     # their state (2 from the failed run)
+        assert w.run(allreduce_sum) == [10.0] * 4
+
+
+@scenario
+def test_pdb_in_a_remote_rank_is_answered_here_with_the_timeout_paused(sched, capfd):
+    with sched.world() as w:
+        # rank 3 (node 1) stops in pdb; each answer comes 1.5 s after its prompt, past
+        # the call's 2 s timeout in all, which must not count that time
+        with answering(Scripted(["p secret * 2", "c"], pause=1.5)) as front:
+            results = w.run(stop_in_rank_three_then_allreduce, timeout=2)
+        assert results == [(10.0, 21), (10.0, 42), (10.0, 63), (10.0, 84)]
+        assert len(front.prompts) == 2 and all(
+            p.endswith("rank3]: (Pdb) ") for p in front.prompts), front.prompts
+        out = capfd.readouterr().out
+        assert "rank3]: 168" in out, out
+        # post-mortem of a remote rank's error, after the World healed
+        with pytest.raises(mplaunch.WorkerError):
+            w.run(fail_in_rank_three)
+        with answering(Scripted(["p 6 * 7", "c"])) as front:
+            w.debug()
+        assert front.prompts[0].endswith("rank3]: (Pdb) "), front.prompts
+        out = capfd.readouterr().out
+        assert "rank3]: mplaunch: rank 3 post-mortem: ValueError: rank three fails" in out
+        assert "rank3]: 42" in out, out
         assert w.run(allreduce_sum) == [10.0] * 4
 
 

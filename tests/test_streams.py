@@ -296,8 +296,9 @@ def test_under_pytest_capture_ranks_read_eof_at_once():
     # pytest puts /dev/null on fd 0: nothing to read, and nobody waits; pytest without
     # --pdb answers no prompt.
     t0 = time.monotonic()
-    eof = ("mplaunch: nobody can answer input() in this rank here (a script whose stdin "
-           "is not a terminal, or pytest without --pdb)")
+    eof = ("mplaunch: nobody can answer input() in this rank here (this process's stdin "
+           "is not a terminal, or stdin_rank=None, or the notebook's frontend takes no "
+           "input, or pytest ran without --pdb)")
     assert mplaunch.launch(read_stdin, nprocs=2) == [
         (False, "", "mplaunch._rank.debugging", eof)] * 2
     assert time.monotonic() - t0 < 30

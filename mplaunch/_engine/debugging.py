@@ -10,7 +10,7 @@ that runs the call. In order:
   pytest's capture suspended while a rank holds it);
 - an IPython kernel whose frontend takes input (Jupyter, VS Code): the kernel's own
   ``input()``, so the prompt is the notebook's input box;
-- a terminal that this process may read (``stdin_rank`` not None): the prompt is
+- a terminal that this process may read (unless ``stdin_rank=None``): the prompt is
   written to stdout, and the line read from fd 0 on the group's selector, so the
   ranks' output, their deaths and Ctrl-C are handled while the user types;
 - nobody: ``breakpoint()`` is skipped with a note and ``input()`` raises EOFError.
@@ -45,11 +45,13 @@ def sessions() -> int:
 class Debugging:
     """One RankGroup's requests for lines."""
 
-    def __init__(self, sel: selectors.BaseSelector, stdin_rank: Optional[int],
-                 group=None):
+    def __init__(self, sel: selectors.BaseSelector, cfg, group=None):
         self._sel = sel
+        # The terminal answers unless the user said no rank reads it (stdin_rank=None);
+        # across nodes (a World's nodes are started with stdin_rank=None: no remote rank
+        # gets this fd 0) it answers the remote ranks' prompts all the same.
+        self._terminal = cfg.stdin_rank is not None or cfg.nnodes > 1
         self._group = group            # its relays follow a front-end that moves them
-        self._stdin_rank = stdin_rank
         self._frontend = None
         self._holder = None            # the RankState whose request is being answered
         self._holding = False          # its pdb keeps the turn between prompts
@@ -120,7 +122,7 @@ class Debugging:
     # -- serving -----------------------------------------------------------------------
     def _front(self):
         if self._frontend is None:
-            self._frontend = _choose(self._stdin_rank)
+            self._frontend = _choose(self._terminal)
         return self._frontend or None
 
     def _serve(self, r, ask: DebugAsk) -> None:
@@ -242,14 +244,14 @@ def _note(text: str) -> None:
 
 # -- front-ends --------------------------------------------------------------------------
 
-def _choose(stdin_rank: Optional[int]):
+def _choose(terminal: bool):
     """The front-end for this call, or False for none."""
     if override is not None:
         return override()
     kernel = _kernel()
     if kernel is not None:
         return Kernel() if getattr(kernel, "_allow_stdin", False) else False
-    if stdin_rank is not None and stdin_is_terminal():
+    if terminal and stdin_is_terminal():
         return Terminal()
     return False
 

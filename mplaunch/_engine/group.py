@@ -72,7 +72,7 @@ class RankGroup:
         self.lock = self.spawner.lock
         self._by_pid: Dict[int, RankState] = {}
         self._sel = selectors.DefaultSelector()
-        self.debug = Debugging(self._sel, cfg.stdin_rank, self)   # pdb, input() in ranks
+        self.debug = Debugging(self._sel, cfg, self)   # pdb, input() in ranks
         self._waker = waker
         self._closed = False
         self.heal = False   # a healing World's call: see fail()

@@ -46,6 +46,8 @@ _holder = None        # the pdb instance holding the turn, while one does
 _kept: Optional[BaseException] = None   # a World's rank: its last call's error
 _SKIP = ("mplaunch._rank.*", "mplaunch._wire.*", "mplaunch._server.*", "mplaunch.*")
 _builtin_input = builtins.input
+_WHERE = ("(this process's stdin is not a terminal, or stdin_rank=None, or the "
+          "notebook's frontend takes no input, or pytest ran without --pdb)")
 
 
 def install(sock, rank) -> None:
@@ -117,8 +119,7 @@ def _breakpoint(*args, **kwargs):
     if answer == "n":
         sys.stderr.write(
             f"mplaunch: breakpoint() skipped in rank {_rank}: nobody can answer its "
-            "prompt here (a script whose stdin is not a terminal, or pytest without "
-            "--pdb)\n")
+            f"prompt here {_WHERE}\n")
     if answer != "y":
         return None   # "n", or "I": the launching process was interrupted meanwhile
     import pdb
@@ -174,8 +175,7 @@ def _input(prompt: object = "") -> str:
         return "c"
     if kind == "I":
         raise KeyboardInterrupt
-    raise EOFError("mplaunch: nobody can answer input() in this rank here (a script "
-                   "whose stdin is not a terminal, or pytest without --pdb)")
+    raise EOFError(f"mplaunch: nobody can answer input() in this rank here {_WHERE}")
 
 
 # -- the turn ------------------------------------------------------------------------
