@@ -132,6 +132,9 @@ class Notebook:
             except queue.Empty:
                 msg = None
             if msg is not None and msg["msg_type"] == "input_request":
+                # What the cell printed before it asked, first (the kernel flushed its
+                # streams before asking; iopub is another socket).
+                await self._drain_iopub(msg_id, ran)
                 ran.events.append(("prompt", msg["content"]["prompt"]))
                 if pending is not None or not script:
                     unexpected = True

@@ -26,6 +26,7 @@ import os
 import selectors
 import signal
 import sys
+import threading
 import time
 from typing import List, Optional
 
@@ -58,6 +59,8 @@ class Debugging:
         self._waiting: List[tuple] = []   # (RankState, DebugAsk) in order
         self._asked = None             # the request the front-end is answering
         self._interrupted = False
+        self._lock = threading.Lock()
+        self._inbox: List[tuple] = []     # post()ed from another thread
         self._relay_moved = None       # the relays' sinks before the front-end's
         self._paused = 0.0
         self._since: Optional[float] = None
@@ -122,7 +125,7 @@ class Debugging:
     # -- serving -----------------------------------------------------------------------
     def _front(self):
         if self._frontend is None:
-            self._frontend = _choose(self._terminal)
+            self._frontend = _choose(self._terminal, self)
         return self._frontend or None
 
     def _serve(self, r, ask: DebugAsk) -> None:
@@ -143,10 +146,7 @@ class Debugging:
         self._holding = ask.hold
         self._asked = ask
         prompt = _prefix(r) + ask.text
-        try:
-            front.ask(prompt, self._sel, self._on_line)
-        except KeyboardInterrupt:
-            self._on_interrupt()
+        front.ask(prompt, self._sel, self._on_line)
 
     def _on_line(self, line: Optional[str]) -> None:
         """The front-end's answer to the request: the line, or None at end of input."""
@@ -158,15 +158,24 @@ class Debugging:
         if not self._holding:
             self._release()
 
-    def _on_interrupt(self) -> None:
-        # The kernel's interrupt came while its input box was open: as Ctrl-C would
-        # have, it goes to whatever this process's SIGINT handler is now (the World's).
+    def on_interrupt(self) -> None:
+        """The kernel's interrupt came while its input box was open (this thread's):
+        as Ctrl-C would have, it goes to this process's SIGINT handler (the World's)."""
         self.interrupt()
-        handler = signal.getsignal(signal.SIGINT)
-        if callable(handler):
-            handler(signal.SIGINT, None)
-        else:
-            raise KeyboardInterrupt
+        _resignal()
+
+    def post(self, func, *args) -> None:
+        """From another thread: run func(*args) in the group's loop (take_posts)."""
+        with self._lock:
+            self._inbox.append((func, args))
+        if self._group is not None:
+            self._group._waker.wake()
+
+    def take_posts(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for func, args in inbox:
+            func(*args)
 
     def _release(self) -> None:
         self._stop_reading()
@@ -202,6 +211,7 @@ class Debugging:
         front = self._frontend
         if front:
             front.cancel(self._sel)
+        _forget_deferred(self)
 
     def _clock(self, running: bool) -> None:
         now = time.monotonic()
@@ -244,13 +254,13 @@ def _note(text: str) -> None:
 
 # -- front-ends --------------------------------------------------------------------------
 
-def _choose(terminal: bool):
+def _choose(terminal: bool, broker: Debugging):
     """The front-end for this call, or False for none."""
     if override is not None:
         return override()
     kernel = _kernel()
     if kernel is not None:
-        return Kernel() if getattr(kernel, "_allow_stdin", False) else False
+        return Kernel(broker) if getattr(kernel, "_allow_stdin", False) else False
     if terminal and stdin_is_terminal():
         return Terminal()
     return False
@@ -270,7 +280,16 @@ def _kernel():
 class Kernel:
     """A Jupyter kernel: the line is its ``input()``, the frontend's input box. It
     blocks this process's loop until the user answers (the kernel has nothing else to
-    do meanwhile: the cell is this call); the kernel's interrupt raises in it."""
+    do meanwhile: the cell is this call); the kernel's interrupt raises in it.
+
+    Only the main thread may ask (the kernel routes the request to the cell it runs
+    there). A launch's monitor thread (``mplaunch.start``) leaves its prompts for the
+    main thread, which answers them while it waits for the handle (``serve_deferred``,
+    from ``Handle.wait``/``result``)."""
+
+    def __init__(self, broker: Debugging):
+        self._broker = broker
+        self._told = False
 
     def opened(self) -> None:
         pass
@@ -282,19 +301,79 @@ class Kernel:
         pass
 
     def ask(self, prompt: str, sel, answer) -> None:
-        import builtins
-        try:
-            previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-        except ValueError:   # not the main thread: the World's handler stays
-            previous = None
-        try:
-            line = builtins.input(prompt)
-        except EOFError:
-            line = None
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
-        answer(line)
+        broker = self._broker
+        if threading.current_thread() is threading.main_thread():
+            line, interrupted = _kernel_line(prompt)
+            if interrupted:
+                broker.on_interrupt()
+            else:
+                answer(line)
+            return
+
+        def deliver(line, interrupted):
+            if interrupted:
+                broker.post(broker.interrupt)
+            else:
+                broker.post(answer, line)
+        with _deferred_lock:
+            _deferred.append((broker, prompt, deliver))
+        if not self._told:
+            self._told = True
+            _note("mplaunch: a rank waits for you at a prompt; a cell that waits for "
+                  "its launch (handle.result() or handle.wait()) shows it")
+
+
+# Prompts of launches run by start() in a kernel, for the main thread (serve_deferred).
+_deferred: List[tuple] = []
+_deferred_lock = threading.Lock()
+
+
+def serve_deferred() -> None:
+    """In the main thread (Handle.wait): ask the kernel for the lines that launches
+    running in other threads wait for."""
+    while True:
+        with _deferred_lock:
+            if not _deferred:
+                return
+            _, prompt, deliver = _deferred.pop(0)
+        line, interrupted = _kernel_line(prompt)
+        deliver(line, interrupted)
+        if interrupted:
+            _resignal()
+
+
+def _forget_deferred(broker: Debugging) -> None:
+    with _deferred_lock:
+        _deferred[:] = [d for d in _deferred if d[0] is not broker]
+
+
+def _kernel_line(prompt: str):
+    """(the kernel's answer, or None at end of input; whether its interrupt came
+    instead). Its interrupt raises while the input box is open, whatever handler
+    this process has (the World's forwards it without raising)."""
+    import builtins
+    try:
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    except ValueError:   # not the main thread
+        previous = None
+    try:
+        return builtins.input(prompt), False
+    except EOFError:
+        return None, False
+    except KeyboardInterrupt:
+        return None, True
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _resignal() -> None:
+    """Hand an interrupt taken from input() to this process's SIGINT handler."""
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signal.SIGINT, None)
+    else:
+        raise KeyboardInterrupt
 
 
 class Terminal:

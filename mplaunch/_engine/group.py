@@ -242,6 +242,7 @@ class RankGroup:
 
     def _on_wake(self, _fd) -> None:
         self._waker.drain()
+        self.debug.take_posts()   # answers another thread gave (_engine.debugging)
 
     def _read_result(self, r: RankState) -> None:
         for data, fds in r.reader.read_available():
