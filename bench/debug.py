@@ -24,7 +24,10 @@ user at a terminal would drive it; the same machine clock stamps both sides.
    whether the call returned the right sum, that no timeout fired, and that the next run
    works.
 
-R rounds of 1 and 2 (``--rounds``, default 20, 5 with ``--quick``). Nothing here asserts
+R rounds of 1 and 2 (``--rounds``, default 20, 5 with ``--quick``), then R more where the
+other ranks return at once instead of waiting in ``all_reduce``: nothing is left
+half-done, so the World has no group to rebuild, which tells the debugger's own part of
+2 from the heal's (``--no-session``: the rounds only). Nothing here asserts
 a timing: a missed target is reported, not failed. The exit status is 1 when a
 measurement failed outright (no prompt, a wrong result, a timeout that fired).
 """

@@ -87,7 +87,6 @@ class Term:
         self.child.close()
         self.status = (self.child.exitstatus if self.child.signalstatus is None
                        else -self.child.signalstatus)
-        print(self.text)  # DEBUGPRINT
         return self.text
 
 
@@ -115,9 +114,15 @@ def term(tmp_path):
 
     yield start
     for run in runs:
-        if run.child.isalive():
-            # Ctrl-C, as a user would, so that the script cleans up; then harder
-            run.child.terminate(force=True)
+        # A test that failed midway: Ctrl-C, as a user would, so that the script tears
+        # its ranks down; a second one hurries it; then SIGKILL.
+        for signo, wait in ((signal.SIGINT, 2), (signal.SIGINT, 10), (signal.SIGKILL, 5)):
+            if not run.child.isalive():
+                break
+            run.child.kill(signo)
+            deadline = time.monotonic() + wait
+            while run.child.isalive() and time.monotonic() < deadline:
+                time.sleep(0.05)
         run.child.close(force=True)
 
 
@@ -333,7 +338,7 @@ def test_the_cli_pdb_flag_opens_a_failing_script_rank_in_pdb(term):
 # -- World ------------------------------------------------------------------------------
 
 WORLD_DEBUG = """
-import os
+import os, time
 import mplaunch
 import torch
 import torch.distributed as dist
@@ -341,7 +346,9 @@ import torch.distributed as dist
 def add(x, stop):
     rank = int(os.environ["RANK"])
     t = torch.tensor([float(rank + x)])
-    if rank == 1 and stop:
+    if rank == 1 and stop == "sleep":
+        time.sleep(5)
+    elif rank == 1 and stop:
         breakpoint()
     dist.all_reduce(t)   # rank 0 waits here while rank 1 is debugged
     return t.item()
@@ -367,6 +374,10 @@ if __name__ == "__main__":
         w.debug()
         print("DEBUGGED", flush=True)
         print("AFTER", w.run(add, (2, False)), flush=True)
+        try:   # the control: the same wait without a debugger is past the timeout
+            w.run(add, (3, "sleep"))
+        except mplaunch.LaunchTimeout:
+            print("TIMED OUT", flush=True)
 """
 
 
@@ -395,7 +406,8 @@ def test_world_breakpoint_past_its_timeout_then_debug_of_a_failed_run(term):
     assert run.status == 0, text
     assert "DEBUGGED" in text
     assert result_of(text, "AFTER") == [5.0, 5.0]
-    assert "timed out" not in text.lower()
+    assert "timed out" not in text[:text.index("AFTER")].lower()
+    assert "TIMED OUT" in text[text.index("AFTER"):]
     assert text.count("(Pdb) ") == 4, text
 
 
@@ -509,10 +521,8 @@ def test_ctrl_c_at_a_launch_ranks_prompt_ends_everything(term):
         if int(ppid) != run.child.pid:
             pids.setdefault(int(ppid), psutil.Process(int(ppid)).create_time())
     assert len(pids) >= 2, text
-    t0 = time.monotonic()
     run.interrupt()
     text = run.finish()
-    print("TOOK", time.monotonic() - t0)
     assert run.status != 0, text
     assert "RESULT [" not in text
     assert "KeyboardInterrupt" in text or "MainProcessError" in text, text
@@ -530,6 +540,42 @@ def test_ctrl_c_at_a_launch_ranks_prompt_ends_everything(term):
             break
         time.sleep(0.1)
     assert not alive, f"the ranks (or their parent) outlived the script: {alive}"
+
+
+LAUNCH_INTERRUPTED_IN_A_COMMAND = """
+import os, time
+import mplaunch
+
+def f():
+    breakpoint()
+    for i in range(60):
+        print("working", i, flush=True)
+        time.sleep(1)
+    return "went on"
+
+if __name__ == "__main__":
+    print("RESULT", mplaunch.launch(f, nprocs=1, timeout=300, grace_period=60),
+          flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="library bug: the SIGINT lands in pdb, whose command loop "
+                          "catches KeyboardInterrupt and prompts again; the interrupted "
+                          "launching process answers that prompt 'c', so the rank runs "
+                          "on until SIGKILL after the grace period", raises=AssertionError)
+def test_ctrl_c_while_pdb_runs_a_command_ends_a_launch_at_once(term):
+    # The user evaluates something slow at the prompt, then gives up: Ctrl-C ends the
+    # launch as it would without a debugger, not after the grace period (60 s here).
+    run = term(LAUNCH_INTERRUPTED_IN_A_COMMAND)
+    run.wait_for("[rank0]: (Pdb) ")
+    run.send("import time; time.sleep(30)")
+    time.sleep(1.5)
+    run.interrupt()
+    text = run.finish(timeout=15)
+    assert run.status != 0, text
+    assert "RESULT [" not in text
+    assert "[rank0]: working" not in text, text
 
 
 # -- pytest --pdb -------------------------------------------------------------------------

@@ -47,7 +47,7 @@ class Answer:
 STOP = Answer(None)
 
 
-@dataclass
+@dataclass(repr=False)
 class Ran:
     """One executed cell, as its frontend saw it."""
     code: str
@@ -99,6 +99,8 @@ class Ran:
     def __str__(self) -> str:
         return f"--- cell ---\n{self.code}\n--- seen ({self.seconds:.1f} s) ---\n" \
                f"{self.transcript()}"
+
+    __repr__ = __str__   # what an assertion that names it shows
 
 
 class Notebook:
@@ -276,7 +278,7 @@ def test_breakpoint_in_a_world_rank_through_the_input_box(kernel_config, tmp_pat
         # timeout, and the ranks go on for 2 s more after it: the timeout was paused
         # while rank 1 was in pdb, else it would fire in that sleep.
         ran = await nb.run("print('result', w.run(f, (1,), {'linger': 2.0}))",
-                     ["p t", "n", Answer("c", delay=7.0)])
+                           ["p t", "n", Answer("c", delay=7.0)])
         assert not ran.errors, ran
         assert ran.prompts == [f"[rank1]: {PDB}"] * 3, ran
         lines = ran.lines
@@ -336,23 +338,30 @@ def test_breakpoints_in_two_ranks_take_turns(kernel_config, tmp_path):
         assert not (await nb.run(SETUP)).errors
         # Both ranks stop at once (after the barrier); the first to ask holds the
         # box until it continues: the other rank's first prompt comes only after
-        # that 'c'. The first answer waits a second so that the other rank has
-        # surely asked by then.
-        ran = await nb.run(BOTH, [Answer("p rank", delay=1.0), "c", "p rank", "c"])
+        # that 'c'. The first answers wait a second each so that the other rank has
+        # surely asked (and been named) before the first one continues.
+        ran = await nb.run(BOTH, [Answer("p rank", delay=1.0), Answer("c", delay=1.0),
+                           "p rank", "c"])
         assert not ran.errors and "result [0, 10]" in ran.lines, ran
         first, second = ran.prompts[0], ran.prompts[2]
         assert {first, second} == {f"[rank0]: {PDB}", f"[rank1]: {PDB}"}, ran
         assert ran.prompts == [first, first, second, second], ran
         a, b = (0, 1) if first.startswith("[rank0]") else (1, 0)
         assert f"[rank{a}]: {a}" in ran.lines and f"[rank{b}]: {b}" in ran.lines, ran
-        # pdb stops at the line after breakpoint(), line 6 of the cell.
+        # The waiting rank's pdb printed nothing before its turn: all its output came
+        # after the first rank's 'c' was typed.
+        continued = [i for i, e in enumerate(ran.events) if e[0] == "answer"][1]
+        assert not [e for e in ran.events[:continued]
+                    if e[0] == "stream" and f"[rank{b}]:" in e[2]], ran
+        # pdb stops at the line after breakpoint() (line 6 of the cell); the note names
+        # the breakpoint() call's line (5), as a terminal's does.
         assert ran.lines.count(f"[rank{a}]: -> here = rank * 10") == 1, ran
         assert ran.lines.count(f"[rank{b}]: -> here = rank * 10") == 1, ran
         # The waiting rank is named once, in the kernel's stderr (not a rank's).
         notes = [line for line in ran.stderr.splitlines() if "waits for" in line]
         assert len(notes) == 1, ran
         assert re.fullmatch(
-            rf"mplaunch: rank {b} stopped at a breakpoint at \S+:[56] and waits for "
+            rf"mplaunch: rank {b} stopped at a breakpoint at \S+:5 and waits for "
             rf"rank {a}'s debugger to continue \('c'\)", notes[0]), ran
 
         assert not (await nb.run("w.close()")).errors
@@ -437,12 +446,12 @@ def test_input_and_a_frontend_without_stdin(kernel_config, tmp_path):
     async def scenario(nb):
         assert not (await nb.run("%load_ext mplaunch")).errors
         ran = await nb.run("%%ranks\n"
-                     "import os\n"
-                     "rank = int(os.environ['RANK'])\n"
-                     "if rank == 1:\n"
-                     "    name = input('name? ')\n"
-                     "    print('got', repr(name))\n",
-                     ["mplaunch rocks"])
+                           "import os\n"
+                           "rank = int(os.environ['RANK'])\n"
+                           "if rank == 1:\n"
+                           "    name = input('name? ')\n"
+                           "    print('got', repr(name))\n",
+                           ["mplaunch rocks"])
         assert not ran.errors, ran
         assert ran.prompts == ["[rank1]: name? "], ran
         assert [line for line in ran.lines if line.startswith("[rank")] == [
@@ -451,12 +460,12 @@ def test_input_and_a_frontend_without_stdin(kernel_config, tmp_path):
         # nbclient, nbconvert --execute: no input box. breakpoint() is skipped with a
         # note, input() raises EOFError, and the cell completes.
         ran = await nb.run("%%ranks\n"
-                     "breakpoint()\n"
-                     "try:\n"
-                     "    input('x? ')\n"
-                     "except EOFError:\n"
-                     "    print('eof', rank)\n"
-                     "print('past', rank)\n", allow_stdin=False)
+                           "breakpoint()\n"
+                           "try:\n"
+                           "    input('x? ')\n"
+                           "except EOFError:\n"
+                           "    print('eof', rank)\n"
+                           "print('past', rank)\n", allow_stdin=False)
         assert not ran.errors and not ran.prompts, ran
         assert sorted(ran.lines) == ["[rank0]: eof 0", "[rank0]: past 0",
                                      "[rank1]: eof 1", "[rank1]: past 1"], ran
@@ -467,14 +476,26 @@ def test_input_and_a_frontend_without_stdin(kernel_config, tmp_path):
 
         # The next cell's frontend takes input again: the same world asks it.
         ran = await nb.run("%%ranks\n"
-                     "if rank == 0:\n"
-                     "    breakpoint()\n"
-                     "    rank = rank + 0\n"
-                     "print('done', rank)\n", ["p rank + 40", "c"])
+                           "if rank == 0:\n"
+                           "    breakpoint()\n"
+                           "    rank = rank + 0\n"
+                           "print('done', rank)\n", ["p rank + 40", "c"])
         assert not ran.errors, ran
         assert ran.prompts == [f"[rank0]: {PDB}"] * 2, ran
         assert "[rank0]: 40" in ran.lines, ran
         assert "[rank0]: done 0" in ran.lines and "[rank1]: done 1" in ran.lines, ran
+
+        # pdb.set_trace() asks the same way (pdb's own input()).
+        ran = await nb.run("%%ranks\n"
+                           "import pdb\n"
+                           "if rank == 1:\n"
+                           "    pdb.set_trace()\n"
+                           "    rank = rank * 3\n"
+                           "print('set_trace', rank)\n", ["p rank + 20", "n", "c"])
+        assert not ran.errors, ran
+        assert ran.prompts == [f"[rank1]: {PDB}"] * 3, ran
+        assert "[rank1]: 21" in ran.lines and "[rank1]: -> rank = rank * 3" in ran.lines, ran
+        assert "[rank1]: set_trace 3" in ran.lines and "[rank0]: set_trace 0" in ran.lines, ran
         assert not (await nb.run("%ranks stop")).errors
 
     in_notebook(kernel_config, tmp_path, scenario)

@@ -9,7 +9,7 @@ rank in pdb holds the turn from its first prompt until it continues, quits or it
 ends; another rank that asks meanwhile waits for its answer, and is named.
 
 What pdb prints goes to the rank's stdout, relayed with its prefix as any output; the
-prompt (``[rank 1] (Pdb) ``) is the line's request. Rejected: a pdb over a socket of
+prompt (``[rank1]: (Pdb) ``) is the line's request. Rejected: a pdb over a socket of
 its own per rank (remote-pdb, Monarch's): a second terminal, and no turn-taking.
 
 - ``breakpoint()`` first asks whether anybody can answer (``open``): where nobody can
