@@ -144,6 +144,7 @@ class CallDriver:
         if self.release_signal is None:
             return
         self.released = True
+        group.debug.interrupt()   # the errors the release raises open no post-mortem
         group.send_signal(self.release_signal, [r for r in group.ranks if r.signalable])
 
     def _wait(self, deadline: Optional[float], grace: float) -> Optional[float]:
