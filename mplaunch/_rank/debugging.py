@@ -68,20 +68,25 @@ def call_begins(func) -> None:
         _kept = None
 
 
-def on_error(exc: BaseException, serve: bool, cut) -> None:
+def on_error(exc: BaseException, serve: bool, cut) -> bool:
     """The call raised `exc`. A World's rank keeps it for ``World.debug()``; where the
     launching process wants post-mortems (``MPLAUNCH_POST_MORTEM=1``, pytest --pdb),
     pdb opens at the frame that raised, before the error is sent (the other ranks wait,
-    as at a breakpoint). `cut` trims mplaunch's frames off the traceback."""
+    as at a breakpoint). `cut` trims mplaunch's frames off the traceback. Whether its
+    traceback is worth showing on stderr: not pdb's ``q`` (one line says it)."""
     global _kept
-    if not isinstance(exc, Exception) or type(exc).__name__ == "BdbQuit" \
-            or getattr(exc, "kind", None) in ("skip", "xfail"):
-        return
+    if type(exc).__name__ == "BdbQuit" and type(exc).__module__ == "bdb":
+        sys.stderr.write(f"mplaunch: rank {_rank} quit the debugger (q): its call "
+                         "ends with bdb.BdbQuit\n")
+        return False
+    if not isinstance(exc, Exception) or getattr(exc, "kind", None) in ("skip", "xfail"):
+        return True
     if serve:
         _kept = exc
     if _sock is not None and _holder is None:
         cut(exc)
         post_mortem(exc, ask="post-mortem")
+    return True
 
 
 def is_post_mortem(func) -> bool:
