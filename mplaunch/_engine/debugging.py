@@ -70,7 +70,7 @@ class Debugging:
         if ask.kind in ("open", "post-mortem"):
             wanted = ask.kind == "open" or _post_mortem_wanted()
             if not wanted or self._interrupted or self._front() is None:
-                self._answer(r, "n")
+                self._answer(r, "I" if self._interrupted else "n")
                 return
         if ask.kind == "end":
             if self._holder is r:
@@ -131,7 +131,8 @@ class Debugging:
     def _serve(self, r, ask: DebugAsk) -> None:
         front = self._front()
         if front is None or self._interrupted:
-            self._answer(r, "N" if ask.kind == "line" else "n")
+            self._answer(r, "I" if self._interrupted else "N" if ask.kind == "line"
+                         else "n")
             self.gone(r)
             return
         if self._holder is not r:

@@ -42,6 +42,7 @@ __mplaunch_plumbing__ = True
 
 _sock = None
 _rank = "?"
+_serve = False        # a World's rank (install)
 _holder = None        # the pdb instance holding the turn, while one does
 _kept: Optional[BaseException] = None   # a World's rank: its last call's error
 _SKIP = ("mplaunch._rank.*", "mplaunch._wire.*", "mplaunch._server.*", "mplaunch.*")
@@ -50,10 +51,11 @@ _WHERE = ("(this process's stdin is not a terminal, or stdin_rank=None, or the "
           "notebook's frontend takes no input, or pytest ran without --pdb)")
 
 
-def install(sock, rank) -> None:
-    """Ask the launching process for lines from now on (`sock`: the result socket)."""
-    global _sock, _rank
-    _sock, _rank = sock, rank
+def install(sock, rank, serve: bool) -> None:
+    """Ask the launching process for lines from now on (`sock`: the result socket;
+    `serve`: a World's rank, whose call an interrupt ends, not its process)."""
+    global _sock, _rank, _serve
+    _sock, _rank, _serve = sock, rank, serve
     builtins.input = _input
     if not os.environ.get("PYTHONBREAKPOINT"):
         sys.breakpointhook = _breakpoint
@@ -174,9 +176,15 @@ def _input(prompt: object = "") -> str:
     if kind == "E":
         raise EOFError
     if debugger is not None:
-        # Nobody to answer ("N"), or the launching process was interrupted ("I"): go on;
-        # the World's interrupt, sent next, ends the call in the user's code.
         _release(debugger)
+        if kind == "I" and not _serve:
+            # A launch being torn down (Ctrl-C): its one signal may land inside pdb,
+            # which takes a KeyboardInterrupt as "cancel the command" and prompts
+            # again; so the rank ends here, as the interrupt would have ended it.
+            sys.settrace(None)
+            raise SystemExit(128 + 2)
+        # Nobody to answer ("N"), or the World was interrupted ("I"): go on; the World's
+        # interrupt, sent until the call answers, ends it in the user's code.
         return "c"
     if kind == "I":
         raise KeyboardInterrupt

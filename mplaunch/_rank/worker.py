@@ -174,7 +174,7 @@ def _run_and_report(spec, fds: dict) -> int:
     sock = socket.socket(fileno=fds["result"])
     global _channel_inode
     _channel_inode = os.fstat(sock.fileno()).st_ino
-    debugging.install(sock, spec.rank)   # pdb and input() ask the launching process
+    debugging.install(sock, spec.rank, spec.serve)   # pdb, input() ask the launcher
     if spec.serve:
         heal.arm_release()   # before the first call: every thread must inherit its mask
         serving.arm()        # the World's interrupt: only inside a call's window
