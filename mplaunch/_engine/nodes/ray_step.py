@@ -369,7 +369,13 @@ class Ray:
         return step
 
     def node_environ(self, agent_environ: Mapping[str, str]) -> Dict[str, str]:
-        return dict(agent_environ)
+        environ = dict(agent_environ)
+        # Ray points its workers' breakpoint() at its own debugger (ray.util.rpdb),
+        # which works only in a Ray worker: the agent is an actor, its ranks are not.
+        # Without it a rank's breakpoint() asks this World's caller, as anywhere.
+        if environ.get("PYTHONBREAKPOINT", "").startswith("ray."):
+            del environ["PYTHONBREAKPOINT"]
+        return environ
 
 
 SCHEDULER = Ray
