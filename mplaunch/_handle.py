@@ -13,7 +13,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, Generic, List, Optional, TypeVar
 
-from ._engine import debugging, signals
+from ._engine import prompts, signals
 from ._engine.config import validate
 from ._launch import Run, from_here
 from ._wire.payload import dumps_payload
@@ -85,7 +85,7 @@ class Handle(Generic[T]):
             # In slices: a signal the kernel gave another thread runs its handler only
             # once this (main) thread runs bytecode again, and a lock wait is not woken.
             while True:
-                debugging.serve_deferred()   # a rank's prompt, in a kernel
+                prompts.serve_deferred()   # a rank's prompt, in a kernel
                 left = 0.1 if end is None else min(0.1, end - time.monotonic())
                 if self._finished.wait(max(0.0, left)):
                     return True

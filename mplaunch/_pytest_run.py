@@ -12,7 +12,7 @@ import sys
 import cloudpickle
 import pytest
 
-from ._engine import debugging, servers
+from ._engine import debugging, prompts, servers
 from ._launch import launch as _launch
 from ._wire import pickler
 from ._rank.pytest_rank import _RankOutcome, _run_in_rank, _run_in_reused_rank
@@ -103,16 +103,16 @@ def _ranks_debugged(item):
     capman = config.pluginmanager.getplugin("capturemanager")
 
     def front():
-        return debugging.Suspending(
+        return prompts.Suspending(
             lambda: capman.suspend_global_capture(in_=True) if capman else None,
             lambda: capman.resume_global_capture() if capman else None)
     front.post_mortem = True
     before = debugging.sessions()
-    debugging.override = front
+    prompts.override = front
     try:
         yield
     finally:
-        debugging.override = None
+        prompts.override = None
         if debugging.sessions() != before:
             item.stash[DEBUGGED] = True
 

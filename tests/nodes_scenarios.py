@@ -227,7 +227,7 @@ def stop_in_rank_three_then_allreduce():
 
 
 class Scripted:
-    """A debugging front-end (_engine.debugging) that answers prompts from a list, as a
+    """A debugging front-end (_engine.prompts) that answers prompts from a list, as a
     user at the terminal would, `pause` seconds after each one."""
 
     def __init__(self, lines, pause=0.0):
@@ -250,12 +250,12 @@ class Scripted:
 
 @contextlib.contextmanager
 def answering(front):
-    from mplaunch._engine import debugging
-    debugging.override = lambda: front
+    from mplaunch._engine import prompts
+    prompts.override = lambda: front
     try:
         yield front
     finally:
-        debugging.override = None
+        prompts.override = None
 
 
 def fail_in_rank_three():

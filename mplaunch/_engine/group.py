@@ -182,8 +182,7 @@ class RankGroup:
     # -- calls (a World's ranks stay up between them) ----------------------------------
     def call(self, payload_fd: int, ranks: Optional[Sequence[RankState]] = None,
              ahead: bytes = b"") -> None:
-        """Ask every rank (or these) to run the payload in `payload_fd` next, after
-        `ahead` (its reloads) to the same rank: both or neither; wait() until replied."""
+        """Each rank (or these) runs `payload_fd`'s payload after `ahead` (its reloads)."""
         self.debug.new_call()
         for r in self.ranks if ranks is None else ranks:
             r.has_result, r.result, r.error = False, None, None
