@@ -27,6 +27,7 @@ import selectors
 import sys
 import threading
 import time
+import weakref
 from typing import List, Optional
 
 from .._wire.channel import send_framed
@@ -49,7 +50,9 @@ class Debugging:
         # across nodes (a World's nodes are started with stdin_rank=None: no remote rank
         # gets this fd 0) it answers the remote ranks' prompts all the same.
         self._terminal = cfg.stdin_rank is not None or cfg.nnodes > 1
-        self._group = group            # its relays follow a front-end that moves them
+        # Its group, by a weak reference: a cycle would keep the group, and the results
+        # its ranks returned (their tensors' memfds), alive until the cycle collector.
+        self._group = (lambda: None) if group is None else weakref.ref(group)
         self._frontend = None
         self._holder = None            # the RankState whose request is being answered
         self._holding = False          # its pdb keeps the turn between prompts
@@ -166,8 +169,9 @@ class Debugging:
         """From another thread: run func(*args) in the group's loop (take_posts)."""
         with self._lock:
             self._inbox.append((func, args))
-        if self._group is not None:
-            self._group._waker.wake()
+        group = self._group()
+        if group is not None:
+            group._waker.wake()
 
     def take_posts(self) -> None:
         with self._lock:
@@ -181,8 +185,9 @@ class Debugging:
         self._holder, self._asked, self._holding = None, None, False
         if front:
             front.closed()
-            if self._relay_moved is not None and self._group is not None:
-                self._group.relay_to(*self._relay_moved)
+            group = self._group()
+            if self._relay_moved is not None and group is not None:
+                group.relay_to(*self._relay_moved)
             self._relay_moved = None
         if self._waiting:
             r, ask = self._waiting.pop(0)
@@ -194,7 +199,7 @@ class Debugging:
         """Where the front-end swapped this process's streams (pytest's capture,
         suspended), the ranks' output goes to the ones now in place while a rank holds
         the turn: what pdb prints is read with its prompt. The sinks before, or None."""
-        group = self._group
+        group = self._group()
         if not getattr(front, "moves_streams", False) or group is None:
             return None
         r = next((r for r in group.ranks if r.out is not None and r.err is not None),

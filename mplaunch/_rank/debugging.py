@@ -70,11 +70,11 @@ def call_begins(func) -> None:
         _kept = None
 
 
-def on_error(exc: BaseException, serve: bool, cut) -> bool:
+def on_error(exc: BaseException, serve: bool) -> bool:
     """The call raised `exc`. A World's rank keeps it for ``World.debug()``; where the
     launching process wants post-mortems (``MPLAUNCH_POST_MORTEM=1``, pytest --pdb),
     pdb opens at the frame that raised, before the error is sent (the other ranks wait,
-    as at a breakpoint). `cut` trims mplaunch's frames off the traceback. Whether its
+    as at a breakpoint). Whether its
     traceback is worth showing on stderr: not pdb's ``q`` (one line says it)."""
     global _kept
     if type(exc).__name__ == "BdbQuit" and type(exc).__module__ == "bdb":
@@ -86,7 +86,6 @@ def on_error(exc: BaseException, serve: bool, cut) -> bool:
     if serve:
         _kept = exc
     if _sock is not None and _holder is None:
-        cut(exc)
         post_mortem(exc, ask="post-mortem")
     return True
 
@@ -154,11 +153,21 @@ def post_mortem(exc: Optional[BaseException] = None,
     sys.stdout.write(f"mplaunch: rank {_rank} post-mortem: "
                      f"{type(exc).__name__}: {exc}\n")
     try:
-        p.interaction(None, exc.__traceback__)
+        p.interaction(None, _users_part(exc.__traceback__))
     finally:
         if _holder is p:
             call_ends()
     return True
+
+
+def _users_part(tb):
+    """`tb` from its first frame outside mplaunch (pdb's ``up`` stops there); the
+    exception's own traceback is left as it is (the report reads it)."""
+    start = tb
+    while start is not None and str(start.tb_frame.f_globals.get("__name__", "")
+                                    ).startswith("mplaunch."):
+        start = start.tb_next
+    return start if start is not None else tb
 
 
 def _input(prompt: object = "") -> str:

@@ -233,7 +233,7 @@ def _call_and_report(sock, spec, payload_fd: int, changes=(), first: bool = Fals
         return exitcode
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt and pytest outcomes too
         serving.accept_interrupts(False)
-        show = debugging.on_error(exc, spec.serve, _from_users_code)
+        show = debugging.on_error(exc, spec.serve)
         if not spec.serve:
             procgroup.shield()   # its group ends after the report, before the SIGTERM
         _send_exception(sock, exc, EXIT_ERROR, show, hint=_spawn_style_hint(exc),
