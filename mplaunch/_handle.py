@@ -86,7 +86,7 @@ class Handle(Generic[T]):
             # once this (main) thread runs bytecode again, and a lock wait is not woken.
             while True:
                 prompts.serve_deferred()   # a rank's prompt, in a kernel
-                left = 0.1 if end is None else min(0.1, end - time.monotonic())
+                left = 0.25 if end is None else min(0.25, end - time.monotonic())
                 if self._finished.wait(max(0.0, left)):
                     return True
                 if end is not None and time.monotonic() >= end:

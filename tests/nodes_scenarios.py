@@ -35,6 +35,7 @@ import psutil
 import pytest
 
 import mplaunch
+from mplaunch._engine.prompts import FrontEnd
 
 __all__ = []   # the scenarios, added by @scenario
 
@@ -226,21 +227,12 @@ def stop_in_rank_three_then_allreduce():
     return t.item(), secret
 
 
-class Scripted:
+class Scripted(FrontEnd):
     """A debugging front-end (_engine.prompts) that answers prompts from a list, as a
     user at the terminal would, `pause` seconds after each one."""
 
     def __init__(self, lines, pause=0.0):
         self.lines, self.pause, self.prompts = list(lines), pause, []
-
-    def opened(self):
-        pass
-
-    def closed(self):
-        pass
-
-    def cancel(self, sel):
-        pass
 
     def ask(self, prompt, sel, answer):
         self.prompts.append(prompt)

@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 import mplaunch
+from procs import assert_gone
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -411,14 +412,17 @@ def test_world_breakpoint_past_its_timeout_then_debug_of_a_failed_run(term):
     assert text.count("(Pdb) ") == 4, text
 
 
-WORLD_QUIT = """
-import os
-import mplaunch
-
+# A World's rank keeps a value in its __main__ (the next run reads it back).
+REMEMBER = '''
 def remember(v):
     global kept
     kept = v * 10 + int(os.environ["RANK"])
+'''
 
+WORLD_QUIT = """
+import os
+import mplaunch
+""" + REMEMBER + """
 def stop():
     rank = int(os.environ["RANK"])
     if rank == 1:
@@ -456,11 +460,7 @@ WORLD_INTERRUPTED = """
 import os
 import mplaunch
 import torch.distributed as dist
-
-def remember(v):
-    global kept
-    kept = v * 10 + int(os.environ["RANK"])
-
+""" + REMEMBER + """
 def stop():
     rank = int(os.environ["RANK"])
     if rank == 1:
@@ -526,20 +526,7 @@ def test_ctrl_c_at_a_launch_ranks_prompt_ends_everything(term):
     assert run.status != 0, text
     assert "RESULT [" not in text
     assert "KeyboardInterrupt" in text or "MainProcessError" in text, text
-    deadline = time.monotonic() + 5
-    while True:
-        alive = []
-        for pid, created in pids.items():
-            try:
-                p = psutil.Process(pid)
-                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(f"{pid} {' '.join(p.cmdline())[:100]}")
-            except psutil.Error:
-                pass
-        if not alive or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert not alive, f"the ranks (or their parent) outlived the script: {alive}"
+    assert_gone(pids, within=5)   # the ranks, and their parent
 
 
 LAUNCH_INTERRUPTED_IN_A_COMMAND = """

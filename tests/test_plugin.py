@@ -8,12 +8,11 @@ session has ended.
 from __future__ import annotations
 
 import textwrap
-import time
 
-import psutil
 import pytest
 
 from mplaunch import _pytest_run as pytest_plugin
+from procs import assert_gone
 from mplaunch.errors import RankFailure, WorkerError
 
 INNER_TIMEOUT = 150  # the whole inner session; the outer test has 180 s
@@ -67,27 +66,6 @@ def _recorded_pids(out):
             procs[pid] = created
             procs.setdefault(ppid, None)
     return procs
-
-
-def _assert_all_gone(procs, deadline=10.0):
-    """Every process recorded by the inner session is gone (pid reuse tolerated by
-    comparing create times where known)."""
-    end = time.monotonic() + deadline
-    while True:
-        alive = []
-        for pid, created in procs.items():
-            try:
-                p = psutil.Process(pid)
-                if p.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                if created is None or abs(p.create_time() - created) < 0.5:
-                    alive.append(f"{pid} {' '.join(p.cmdline())[:100]}")
-            except psutil.Error:
-                pass
-        if not alive or time.monotonic() > end:
-            break
-        time.sleep(0.1)
-    assert not alive, f"processes of the inner session outlived it: {alive}"
 
 
 IDENTITY = """
@@ -157,7 +135,7 @@ def test_runs_the_body_in_every_rank_with_a_process_group(pytester):
     # every rank was forked by the session's warm server, not by the session itself
     assert len({ppid for _, ppid, _ in ranks}) == 1
     assert int(ranks[0][1]) != session_pid
-    _assert_all_gone(_recorded_pids(out))
+    assert_gone(_recorded_pids(out))
 
 
 def test_a_failing_rank_shows_its_assertion_introspection(pytester):
@@ -354,7 +332,7 @@ def test_a_hung_test_times_out_alone_and_leaves_nothing(pytester):
     procs = _recorded_pids(out)
     assert len([f for f in out.iterdir() if f.name.startswith("hang-")]) == 2
     assert len(procs) >= 4  # the ranks and their server
-    _assert_all_gone(procs)
+    assert_gone(procs)
 
 
 @pytest.mark.slow
@@ -385,7 +363,7 @@ def test_xdist_workers_each_have_their_own_server(pytester):
     for f in out.iterdir():
         ports.setdefault(f.name.split("-")[0], set()).add(f.read_text().split()[4])
     assert all(len(p) == 1 for p in ports.values())  # both ranks of a test: one store
-    _assert_all_gone(_recorded_pids(out))
+    assert_gone(_recorded_pids(out))
 
 
 # -- the outcome rule, on records -------------------------------------------------------

@@ -5,7 +5,6 @@ deadline, and another node's failure. What it amounts to is ``attempt.ending``
 from __future__ import annotations
 
 import signal
-import time
 from typing import Callable, Optional, Sequence
 
 from .config import LaunchConfig
@@ -94,19 +93,16 @@ class Attempt:
         (default: the launch's) collects every rank's stack and tears down."""
         group, nodes = self.group, self.nodes
         timeout = self.cfg.timeout if timeout is None else timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        debugged = group.debug.paused()   # time in a debugger does not count
+        clock = group.debug.clock   # time a rank spends in a debugger does not count
+        deadline = None if timeout is None else clock() + timeout
         while group.running and not (until is not None and until()):
             wait = None
             if deadline is not None and not group.stopping:
-                wait = max(0.0, deadline - time.monotonic())
+                wait = max(0.0, deadline - clock())
             if nodes is not None:
                 # Network state has no fd to wait on.
                 wait = POLL_INTERVAL if wait is None else min(wait, POLL_INTERVAL)
             group.wait(wait)
-            if deadline is not None:
-                deadline += group.debug.paused() - debugged
-                debugged = group.debug.paused()
             if nodes is not None:
                 self._watch_nodes()
             if group.stopping:
@@ -117,8 +113,7 @@ class Attempt:
                 self.early = Ending(EndKind.STOPPED,
                                     stopped=[r.spec.rank for r in group.ranks if r.alive])
                 group.stop(signal.SIGTERM, self._stop_grace)
-            elif (deadline is not None and group.running
-                    and time.monotonic() >= deadline):
+            elif deadline is not None and group.running and clock() >= deadline:
                 self.early = Ending(EndKind.TIMED_OUT, time_limit=timeout,
                                     stacks=collect_stacks(group))
                 group.stop(signal.SIGTERM)

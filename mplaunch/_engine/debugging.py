@@ -17,8 +17,8 @@ asks the kernel that runs the call. In order:
 
 The turn: the first rank to ask holds it (for pdb, until it continues or quits, or
 its call ends); another rank asking meanwhile is named once and answered after. While
-a rank holds it or waits, the launch's and the call's timeouts are paused
-(``paused()``): a debugged rank is not a hung one.
+a rank holds it or waits, the launch's and the call's timeouts are paused (their
+deadlines are on ``clock()``): a debugged rank is not a hung one.
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ class Debugging:
         if ask.kind != "line" or ask.hold:
             what = "an error" if ask.kind == "post-mortem" else "a breakpoint"
             at = f" at {ask.where}" if ask.where else ""
-            _note(f"mplaunch: rank {r.spec.rank} stopped at {what}{at} and waits for "
+            prompts.note(f"mplaunch: rank {r.spec.rank} stopped at {what}{at} and waits for "
                   f"rank {self._holder.spec.rank}'s debugger to continue ('c')")
 
     def refuse(self, r) -> None:
@@ -116,11 +116,13 @@ class Debugging:
         self._interrupted = False
         self._frontend = None
 
-    def paused(self) -> float:
-        """Seconds a rank has held or waited for the turn, in this group's life."""
-        if self._since is None:
-            return self._paused
-        return self._paused + time.monotonic() - self._since
+    def clock(self) -> float:
+        """time.monotonic() less the time ranks held or waited for the turn: the
+        clock of the launch's and a call's deadlines (a debugged rank is not a hung
+        one)."""
+        if self._since is not None:
+            return self._since - self._paused   # stopped while a rank is debugged
+        return time.monotonic() - self._paused
 
     # -- serving -----------------------------------------------------------------------
     def _front(self):
@@ -245,11 +247,3 @@ def _post_mortem_wanted() -> bool:
     if getattr(prompts.override, "post_mortem", False):
         return True
     return os.environ.get("MPLAUNCH_POST_MORTEM", "") not in ("", "0")
-
-
-def _note(text: str) -> None:
-    try:
-        sys.stderr.write(text + "\n")
-        sys.stderr.flush()
-    except (OSError, ValueError, AttributeError):
-        pass

@@ -397,7 +397,10 @@ def _answer(r: RankState, tag: bytes, body: bytes, fds: list, debug: Debugging):
         return _NOT_AN_ANSWER
     if isinstance(msg, DebugAsk):
         # Not an answer: a request for a line (an older call's: refused as interrupted)
-        debug.on_ask(r, msg) if not stale else debug.refuse(r)
+        if stale:
+            debug.refuse(r)
+        else:
+            debug.on_ask(r, msg)
         return _NOT_AN_ANSWER
     r.answers += 1
     if not stale:

@@ -69,13 +69,10 @@ class CallDriver:
             timeout = attempt.cfg.timeout     # the world's
         elif timeout == float("inf"):
             timeout = None                    # none for this call, whatever the world's
-        deadline = None if timeout is None else time.monotonic() + timeout
-        debugged = group.debug.paused()   # time in a debugger does not count
+        # On the group's debug clock: time a rank spends in a debugger does not count.
+        deadline = None if timeout is None else group.debug.clock() + timeout
         while group.running and not group.stopping and not _all_answered(group):
             group.wait(self._wait(deadline, grace))
-            if deadline is not None:
-                deadline += group.debug.paused() - debugged
-                debugged = group.debug.paused()
             if group.stopping or _all_answered(group):
                 break
             now = time.monotonic()
@@ -86,7 +83,8 @@ class CallDriver:
                                        stopped=[r.spec.rank for r in group.ranks if r.alive])
                 group.stop(signal.SIGTERM, attempt.stop_grace)
                 break
-            if deadline is not None and not attempt.timed_out and now >= deadline:
+            if (deadline is not None and not attempt.timed_out
+                    and group.debug.clock() >= deadline):
                 attempt.early = Ending(EndKind.TIMED_OUT, time_limit=timeout,
                                        stacks=collect_stacks(group))
                 self._trouble(now, at_once=True)
@@ -151,7 +149,7 @@ class CallDriver:
         now = time.monotonic()
         times = []
         if deadline is not None and not self.attempt.timed_out:
-            times.append(deadline)
+            times.append(now + deadline - self.attempt.group.debug.clock())
         if self._trouble_at is not None or self._interrupt_at is not None:
             times.append(now + min(RESEND, RELEASE_AFTER, SETTLE) / 2)
         if not times:

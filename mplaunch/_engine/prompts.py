@@ -19,11 +19,26 @@ from .terminal import stdin_is_terminal
 override = None
 
 
-def _note(text: str) -> None:
+def note(text: str) -> None:
+    """One line on this process's stderr (a note of mplaunch's about the ranks)."""
     try:
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
     except (OSError, ValueError, AttributeError):
+        pass
+
+
+class FrontEnd:
+    """What every front-end does when a rank takes the turn, gives it back, or its
+    question is withdrawn: nothing, unless it says otherwise."""
+
+    def opened(self) -> None:
+        pass
+
+    def closed(self) -> None:
+        pass
+
+    def cancel(self, sel) -> None:
         pass
 
 
@@ -50,7 +65,7 @@ def _kernel():
     return getattr(shell, "kernel", None)
 
 
-class Kernel:
+class Kernel(FrontEnd):
     """A Jupyter kernel: the line is its ``input()``, the frontend's input box. It
     blocks this process's loop until the user answers (the kernel has nothing else to
     do meanwhile: the cell is this call); the kernel's interrupt raises in it.
@@ -63,15 +78,6 @@ class Kernel:
     def __init__(self, broker):
         self._broker = broker
         self._told = False
-
-    def opened(self) -> None:
-        pass
-
-    def closed(self) -> None:
-        pass
-
-    def cancel(self, sel) -> None:
-        pass
 
     def ask(self, prompt: str, sel, answer) -> None:
         broker = self._broker
@@ -92,7 +98,7 @@ class Kernel:
             _deferred.append((broker, prompt, deliver))
         if not self._told:
             self._told = True
-            _note("mplaunch: a rank waits for you at a prompt; a cell that waits for "
+            note("mplaunch: a rank waits for you at a prompt; a cell that waits for "
                   "its launch (handle.result() or handle.wait()) shows it")
 
 
@@ -149,28 +155,21 @@ def resignal() -> None:
         raise KeyboardInterrupt
 
 
-class Terminal:
+class Terminal(FrontEnd):
     """This process's terminal: the prompt to stdout, the line from fd 0, read on the
     group's selector as it comes."""
 
-    def __init__(self, fd: int = 0, out=None):
-        self._fd = fd
-        self._out = out
+    _fd = 0
+
+    def __init__(self):
         self._buf = b""
         self._answer = None
         self._sel = None
 
-    def opened(self) -> None:
-        pass
-
-    def closed(self) -> None:
-        pass
-
     def ask(self, prompt: str, sel, answer) -> None:
-        out = self._out or sys.stdout
         try:
-            out.write(prompt)
-            out.flush()
+            sys.stdout.write(prompt)
+            sys.stdout.flush()
         except (OSError, ValueError):
             pass
         self._answer, self._sel = answer, sel

@@ -19,8 +19,9 @@ its own per rank (remote-pdb, Monarch's): a second terminal, and no turn-taking.
   through ``input()``. The session's end is learnt by wrapping that instance's
   ``set_continue`` and ``set_quit``; pdb is taught to skip mplaunch's frames.
 - The launching process's interrupt (Ctrl-C, the kernel's stop button) answers a
-  waiting pdb with ``c``, and the World's interrupt, sent after it, ends the call in
-  the user's code as it would have without a debugger; a waiting ``input()`` raises
+  waiting pdb in a World's rank with ``c``, and the World's interrupt, sent after it,
+  ends the call in the user's code as it would have without a debugger; a launch's
+  rank ends there (the launch is being torn down); a waiting ``input()`` raises
   KeyboardInterrupt.
 
 This module is plumbing: the World's interrupt is never raised in its frames while it
@@ -34,6 +35,9 @@ import pickle
 import sys
 from typing import Optional
 
+from . import streams
+from .call_loop import own_call
+from .frames import is_ours
 from .._wire.channel import recv_framed, send_framed
 from .._wire.messages import DEBUG_TAG, MESSAGE_TAG, DebugAsk
 
@@ -45,7 +49,7 @@ _rank = "?"
 _serve = False        # a World's rank (install)
 _holder = None        # the pdb instance holding the turn, while one does
 _kept: Optional[BaseException] = None   # a World's rank: its last call's error
-_SKIP = ("mplaunch._rank.*", "mplaunch._wire.*", "mplaunch._server.*", "mplaunch.*")
+_SKIP = ("mplaunch.*",)   # pdb does not stop in mplaunch's frames
 _builtin_input = builtins.input
 _WHERE = ("(this process's stdin is not a terminal, or stdin_rank=None, or the "
           "notebook's frontend takes no input, or pytest ran without --pdb)")
@@ -65,17 +69,16 @@ def call_begins(func) -> None:
     """A call of `func` starts: the last call's error, kept for ``World.debug``, is
     forgotten, unless `func` is mplaunch's own (a heal's, or World.debug's)."""
     global _kept
-    from .call_loop import own_call
     if not (own_call(func) or is_post_mortem(func)):
         _kept = None
 
 
-def on_error(exc: BaseException, serve: bool) -> bool:
+def on_error(exc: BaseException) -> bool:
     """The call raised `exc`. A World's rank keeps it for ``World.debug()``; where the
     launching process wants post-mortems (``MPLAUNCH_POST_MORTEM=1``, pytest --pdb),
     pdb opens at the frame that raised, before the error is sent (the other ranks wait,
-    as at a breakpoint). Whether its
-    traceback is worth showing on stderr: not pdb's ``q`` (one line says it)."""
+    as at a breakpoint). Whether its traceback is worth showing on stderr: not pdb's
+    ``q`` (one line says it)."""
     global _kept
     if type(exc).__name__ == "BdbQuit" and type(exc).__module__ == "bdb":
         sys.stderr.write(f"mplaunch: rank {_rank} quit the debugger (q): its call "
@@ -83,7 +86,7 @@ def on_error(exc: BaseException, serve: bool) -> bool:
         return False
     if not isinstance(exc, Exception) or getattr(exc, "kind", None) in ("skip", "xfail"):
         return True
-    if serve:
+    if _serve:
         _kept = exc
     if _sock is not None and _holder is None:
         post_mortem(exc, ask="post-mortem")
@@ -141,7 +144,6 @@ def post_mortem(exc: Optional[BaseException] = None,
     if exc is None or exc.__traceback__ is None:
         return None
     tb = exc.__traceback__
-    where = ""
     while tb.tb_next is not None:
         tb = tb.tb_next
     where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
@@ -161,11 +163,10 @@ def post_mortem(exc: Optional[BaseException] = None,
 
 
 def _users_part(tb):
-    """`tb` from its first frame outside mplaunch (pdb's ``up`` stops there); the
-    exception's own traceback is left as it is (the report reads it)."""
+    """`tb` from the user's first frame (pdb's ``up`` stops there), as the report cuts
+    it (_rank.worker); the exception's own traceback is left as it is."""
     start = tb
-    while start is not None and str(start.tb_frame.f_globals.get("__name__", "")
-                                    ).startswith("mplaunch."):
+    while start is not None and is_ours(start):
         start = start.tb_next
     return start if start is not None else tb
 
@@ -258,7 +259,6 @@ def _flush() -> None:
             stream.flush()
         except BaseException:  # noqa: BLE001 - a closed stream: nothing to order
             pass
-    from . import streams
     streams.wait_relayed()   # what pdb printed is shown before its prompt
 
 

@@ -21,6 +21,7 @@ from . import (cells, collectives, debugging, heal, procgroup, reloads, rendezvo
 # any rank (a forked rank finds them loaded), and every rank needs them.
 from .._wire import buffers, linux, mainglobals, mainmod, payload as wire_payload
 from .._wire.channel import send_framed
+from .frames import is_ours
 from .._wire.exceptions import pack_exception
 from .._wire.messages import (EXIT_CHANNEL_CLOSED, EXIT_ERROR, EXIT_PARENT_GONE,
                               MESSAGE_TAG, RESULT_TAG, STACK_SIGNAL, KeptGlobals, Raised,
@@ -233,7 +234,7 @@ def _call_and_report(sock, spec, payload_fd: int, changes=(), first: bool = Fals
         return exitcode
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt and pytest outcomes too
         serving.accept_interrupts(False)
-        show = debugging.on_error(exc, spec.serve)
+        show = debugging.on_error(exc)
         if not spec.serve:
             procgroup.shield()   # its group ends after the report, before the SIGTERM
         _send_exception(sock, exc, EXIT_ERROR, show, hint=_spawn_style_hint(exc),
@@ -346,16 +347,6 @@ def _spawn_style_hint(exc: BaseException):
     return None
 
 
-def _is_ours(tb) -> bool:
-    """A frame of how the rank reached the user's code: mplaunch's own (this module, a
-    front-end's wrapper such as pytest_rank or calls), or runpy's, which ran a script."""
-    frame = tb.tb_frame
-    name = frame.f_globals.get("__name__")
-    name = name if isinstance(name, str) else ""
-    return (name == "mplaunch" or name.startswith("mplaunch.") or name == "runpy"
-            or frame.f_code.co_filename == "<frozen runpy>")
-
-
 def _from_users_code(exc: BaseException) -> None:
     """Cut the frames above the user's code off `exc` and off every exception of its
     chain, as pytest leaves out its own frames above a test: the rank's stderr, the
@@ -370,7 +361,7 @@ def _from_users_code(exc: BaseException) -> None:
             continue
         seen.add(id(exc))
         tb = first = exc.__traceback__
-        while first is not None and _is_ours(first):
+        while first is not None and is_ours(first):
             first = first.tb_next
         if first is None:
             while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
