@@ -323,7 +323,8 @@ def test_a_rank_no_interrupt_reaches_is_replaced_after_the_timeout():
 
 @pytest.mark.slow
 def test_pytest_reuse_keeps_a_world_that_healed_after_a_failure_and_a_hang(pytester):
-    from test_plugin import IDENTITY, _assert_all_gone, _inner_ini, _recorded_pids, \
+    from procs import assert_gone
+    from test_plugin import IDENTITY, _inner_ini, _recorded_pids, \
         _run, _write_tests
     _inner_ini(pytester, mplaunch_reuse="true", mplaunch_timeout="8")
     out = _write_tests(pytester, "test_healing", helpers=IDENTITY, source="""
@@ -362,7 +363,7 @@ def test_pytest_reuse_keeps_a_world_that_healed_after_a_failure_and_a_hang(pytes
         return {int(f.read_text().split()[0]) for f in out.iterdir()
                 if f.name.startswith(name + "-rank")}
     assert len(pids("a")) == 2 and pids("a") == pids("b") == pids("c") == pids("e")
-    _assert_all_gone(_recorded_pids(out))
+    assert_gone(_recorded_pids(out))
 
 
 # -- the notebook: a typo, an interrupted training cell and a dead rank, in a real kernel ----

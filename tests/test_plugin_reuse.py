@@ -9,7 +9,8 @@ them after the inner session has ended, and checks that every one of them is gon
 from __future__ import annotations
 
 import pytest
-from test_plugin import IDENTITY, _assert_all_gone, _inner_ini, _recorded_pids, _run, \
+from procs import assert_gone
+from test_plugin import IDENTITY, _inner_ini, _recorded_pids, _run, \
     _write_tests
 
 HELPERS = IDENTITY + """
@@ -100,7 +101,7 @@ def test_consecutive_tests_share_ranks_until_one_fails_or_the_size_changes(pytes
     rand = {(f.name[0], f.read_text().split()[3]) for f in out.iterdir()
             if f.name[0] in "ab"}
     assert len({value for _, value in rand}) == 1
-    _assert_all_gone(_recorded_pids(out))
+    assert_gone(_recorded_pids(out))
 
 
 def test_ini_default_opt_out_and_the_fixture(pytester):
@@ -135,7 +136,7 @@ def test_ini_default_opt_out_and_the_fixture(pytester):
     assert len(one) == 2 and one == two      # the opt-out did not end the world
     assert opted.isdisjoint(one)
     assert len(nob) == 2 and nob.isdisjoint(one)  # backend is part of the world's key
-    _assert_all_gone(_recorded_pids(out))
+    assert_gone(_recorded_pids(out))
 
 
 def test_a_test_that_spoils_the_process_group_ends_the_world(pytester):
@@ -175,7 +176,7 @@ def test_a_test_that_spoils_the_process_group_ends_the_world(pytester):
     assert _pids(out, "after_destroy").isdisjoint(_pids(out, "destroy"))
     assert _pids(out, "after_unmatched").isdisjoint(_pids(out, "unmatched"))
     assert _pids(out, "unmatched") == _pids(out, "after_destroy")  # healthy: kept
-    _assert_all_gone(_recorded_pids(out))
+    assert_gone(_recorded_pids(out))
 
 
 def test_a_reused_test_sees_its_modules_globals_as_the_module_sets_them(pytester):
@@ -206,7 +207,7 @@ def test_a_reused_test_sees_its_modules_globals_as_the_module_sets_them(pytester
     result.assert_outcomes(passed=2)
     assert len(_pids(out, "after")) == 2
     assert _pids(out, "after") == _pids(out, "assigns")   # one world for both
-    _assert_all_gone(_recorded_pids(out))
+    assert_gone(_recorded_pids(out))
 
 
 @pytest.mark.slow
@@ -240,7 +241,7 @@ def test_a_hung_reused_test_times_out_and_the_next_gets_fresh_ranks(pytester):
         < text.index("rank 1:") < text.index("dist.barrier()  # RANK-1-WAITS")
     assert _pids(out, "before") == _pids(out, "hang")
     assert _pids(out, "after").isdisjoint(_pids(out, "hang"))
-    _assert_all_gone(_recorded_pids(out))
+    assert_gone(_recorded_pids(out))
 
 
 @pytest.mark.slow
@@ -265,4 +266,4 @@ def test_each_xdist_worker_has_its_own_world(pytester):
     # every test of a worker ran in that worker's two ranks; no rank served both
     assert all(len(p) == 2 for p in pids_of_worker.values())
     assert pids_of_worker["gw0"].isdisjoint(pids_of_worker["gw1"])
-    _assert_all_gone(_recorded_pids(out))
+    assert_gone(_recorded_pids(out))

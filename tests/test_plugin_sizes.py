@@ -2,7 +2,8 @@
 sessions (pytester subprocesses)."""
 from __future__ import annotations
 
-from test_plugin import IDENTITY, _assert_all_gone, _inner_ini, _recorded_pids, _run, \
+from procs import assert_gone
+from test_plugin import IDENTITY, _inner_ini, _recorded_pids, _run, \
     _write_tests
 
 
@@ -33,7 +34,7 @@ def test_a_list_of_sizes_runs_the_test_once_per_size(pytester):
     names = {f.name for f in out.iterdir()}
     assert {"x1-rank0", "x2-rank1", "x3-rank2", "ya1-rank0", "yb2-rank1"} <= names
     assert "x1-rank1" not in names
-    _assert_all_gone(_recorded_pids(out))
+    assert_gone(_recorded_pids(out))
 
 
 def test_a_size_that_needs_more_gpus_than_the_machine_has_is_skipped(pytester):
@@ -90,7 +91,7 @@ def test_reuse_keeps_one_world_per_size(pytester):
     assert pid("a1-rank0") == pid("b1-rank0")
     assert pid("a2-rank0") == pid("b2-rank0") and pid("a2-rank1") == pid("b2-rank1")
     assert pid("a1-rank0") != pid("a2-rank0")
-    _assert_all_gone(_recorded_pids(out))
+    assert_gone(_recorded_pids(out))
 
 
 def test_nodes_or_a_scheduler_without_reuse_is_a_usage_error_naming_what_was_given(

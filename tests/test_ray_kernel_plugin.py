@@ -21,7 +21,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 import ray_cluster  # noqa: E402
-from test_plugin import IDENTITY, _assert_all_gone, _inner_ini, _write_tests  # noqa: E402
+from procs import assert_gone  # noqa: E402
+from test_plugin import IDENTITY, _inner_ini, _write_tests  # noqa: E402
 
 
 try:   # the kernel machinery is test_notebook's (the [test] extra's nbclient)
@@ -301,7 +302,7 @@ def _check_story(pytester, cluster, out, result):
     for pid, ppid, created, _node in a.values():
         procs[pid] = float(created)
         procs.setdefault(ppid, None)
-    _assert_all_gone(procs)
+    assert_gone(procs)
 
 
 def test_plugin_reuse_shares_one_world_across_the_ray_nodes_through_a_failure(
