@@ -56,14 +56,16 @@ class Term:
                     self.pos = max(self.pos, i + len(needle))
                 return self.text
             left = deadline - time.monotonic()
-            assert left > 0, f"{needle!r} never came; the terminal shows:\n{self.text}"
+            assert left > 0, \
+                f"{needle!r} never came; the terminal shows, last:\n{self.text[-3000:]}"
             try:
                 self.child.read_nonblocking(65536, timeout=min(left, 0.5))
             except pexpect.TIMEOUT:
                 pass
             except pexpect.EOF:
                 assert needle in self.text[0 if anywhere else self.pos:], \
-                    f"the script ended without {needle!r}; it wrote:\n{self.text}"
+                    f"the script ended without {needle!r}; it wrote, last:\n" \
+                    f"{self.text[-3000:]}"
 
     def send(self, line: str) -> None:
         self.child.sendline(line)
@@ -182,6 +184,41 @@ def test_breakpoint_in_every_rank_one_rank_at_a_time(term):
     assert text.count("stopped at a breakpoint") == 1, text
     assert "[rank0]: (Pdb)" not in text[text.index("[rank1]: (Pdb)"):]
     assert "skipped" not in text
+
+
+BIG_LOCAL = """
+import os
+import mplaunch
+
+def f():
+    big = list(range(150000))   # pdb prints 1.1 MB: more than the pipe holds
+    breakpoint()
+    return len(big)
+
+if __name__ == "__main__":
+    print("RESULT", mplaunch.launch(f, nprocs=1, timeout=120), flush=True)
+"""
+
+
+def test_what_pdb_printed_is_on_screen_before_its_next_prompt(term):
+    # pdb writes to the rank's stdout pipe and then asks for the next line on its
+    # result socket: the launching process relays all of that output before it shows
+    # the prompt, or the answer to 'p big' lands under a prompt already shown.
+    run = term(BIG_LOCAL)
+    run.wait_for("[rank0]: (Pdb) ")
+    for _ in range(2):
+        run.send("p big")
+        text = run.wait_for("[rank0]: (Pdb) ")
+        shown = text[:run.pos]
+        assert shown.rstrip().endswith("[rank0]: (Pdb)"), shown[-300:]
+        assert "149999]" in shown[shown.rindex("p big"):], \
+            "the prompt came before the value was all shown"
+        time.sleep(0.3)
+        assert "149999]" not in run.text[run.pos:], "the value came after its prompt"
+    run.send("c")
+    text = run.finish()
+    assert run.status == 0, text[-2000:]
+    assert result_of(text) == [150000]
 
 
 INPUT_IN_RANK_1 = """

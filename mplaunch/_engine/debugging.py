@@ -33,6 +33,7 @@ from typing import List, Optional
 from .._wire.channel import send_framed
 from .._wire.messages import DEBUG_TAG, DebugAsk
 from . import prompts
+from .output import relay_pending
 
 _sessions = [0]   # debugger sessions opened in this process (the pytest plugin asks)
 
@@ -148,6 +149,10 @@ class Debugging:
             return
         self._holding = ask.hold
         self._asked = ask
+        # What it printed before asking (pdb's answer to the last line) is all in its
+        # pipes, flushed before the ask was sent: on screen before the prompt, which
+        # would otherwise cut into it wherever the pipe held more than one read.
+        relay_pending(r, end_line=False)
         prompt = _prefix(r) + ask.text
         front.ask(prompt, self._sel, self._on_line)
 

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence
 from . import spawners
 from .failures import exited as exit_failure, gone_with_node, of_node, of_rank, raised
 from .config import LaunchConfig
-from .output import StreamRelay, read_pipe
+from .output import StreamRelay, read_pipe, relay_pending
 from .screen import screen_for
 from .ranks import RankState, drain_outputs
 from .signals import Waker
@@ -108,7 +108,7 @@ class RankGroup:
         _engine.world_engine); its first call is the payload in `payload_fd`. The old one's
         last output is relayed and its fds closed. Returns once it has a pid."""
         old = self.ranks[index]
-        _relay_pending(old, end_line=False)   # all there is: the writer is dead
+        relay_pending(old, end_line=False)   # all there is: the writer is dead
         for fileobj in (old.reader.sock, old.out_fd, old.err_fd, old.stack_fd):
             if fileobj is not None:
                 self._unregister(fileobj)
@@ -202,7 +202,7 @@ class RankGroup:
         streams it was called with, not to the next call's (the ranks flushed their
         streams before answering; the pipes may hold more than one read)."""
         for r in self.ranks:
-            _relay_pending(r, end_line=True)
+            relay_pending(r, end_line=True)
 
     def relay_to(self, stdout, stderr) -> None:
         """Relay the ranks' output to these streams from now on."""
@@ -420,19 +420,3 @@ def _relay_to(ranks, last, sinks):
             if relay is not None and relay.sink is not None:
                 relay.retarget(sink, last[1].get(id(sink)))
     return last
-
-
-def _relay_pending(r: RankState, end_line: bool) -> None:
-    """Relay what a rank's pipes hold now (until a read finds them empty, or at EOF,
-    which wait() then unregisters); with `end_line`, a last line without its newline
-    too."""
-    for fd, relay in ((r.out_fd, r.out), (r.err_fd, r.err)):
-        if fd is None or relay is None:
-            continue
-        while True:
-            chunk = read_pipe(fd)
-            if not chunk:
-                break
-            relay.feed(chunk)
-        if end_line:
-            relay.end_line()

@@ -313,6 +313,22 @@ class StreamRelay(OpenLine):
         return bytes(self._tail[-_TAIL_BYTES:]).decode("utf-8", "replace")
 
 
+def relay_pending(r, end_line: bool) -> None:
+    """Relay what rank `r`'s pipes (a RankState's) hold now, until a read finds them
+    empty or at EOF (which the group's wait() then unregisters); with `end_line`, a
+    last line without its newline too."""
+    for fd, relay in ((r.out_fd, r.out), (r.err_fd, r.err)):
+        if fd is None or relay is None:
+            continue
+        while True:
+            chunk = read_pipe(fd)
+            if not chunk:
+                break
+            relay.feed(chunk)
+        if end_line:
+            relay.end_line()
+
+
 # -- pipes -------------------------------------------------------------------------------
 
 def read_pipe(fd: int) -> Optional[bytes]:
