@@ -221,6 +221,50 @@ def test_what_pdb_printed_is_on_screen_before_its_next_prompt(term):
     assert result_of(text) == [150000]
 
 
+BREAK_IN_A_DATALOADER_WORKER = """
+import os
+import torch
+import mplaunch
+from torch.utils.data import DataLoader, Dataset
+
+class Items(Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        breakpoint()  # IN-WORKER
+        return torch.tensor([i])
+
+def f():
+    got = [int(b) for b in DataLoader(Items(), num_workers=2, batch_size=None)]
+    breakpoint()  # IN-RANK
+    return got
+
+if __name__ == "__main__":
+    print("RESULT", mplaunch.launch(f, nprocs=1, timeout=120), flush=True)
+"""
+
+
+def test_breakpoint_in_a_dataloader_worker_is_skipped_and_the_rank_still_stops(term):
+    # A DataLoader's workers are forked from the rank and share its result socket: their
+    # asks and answers would cross the rank's. Each says once that it skips, and the
+    # rank's own breakpoint() after the loop is answered as ever.
+    run = term(BREAK_IN_A_DATALOADER_WORKER)
+    where = f"{run.script}:{line_of(run.script, '# IN-WORKER')}"
+    run.wait_for("[rank0]: (Pdb) ")
+    run.send("p got")
+    run.wait_for("[rank0]: [0, 1, 2, 3, 4, 5]\r\n")
+    run.wait_for("[rank0]: (Pdb) ")
+    run.send("c")
+    text = run.finish()
+    assert run.status == 0, text[-3000:]
+    assert result_of(text) == [[0, 1, 2, 3, 4, 5]]
+    notes = re.findall(rf"breakpoint\(\) at {re.escape(where)} skipped in process "
+                       r"(\d+), a child of rank 0", text)
+    assert len(notes) == 2 and len(set(notes)) == 2, text[-3000:]   # once per worker
+    assert text.count("(Pdb)") == 2, text[-3000:]   # the rank's prompt, twice
+
+
 INPUT_IN_RANK_1 = """
 import os
 import mplaunch

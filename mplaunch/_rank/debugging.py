@@ -45,7 +45,10 @@ from .._wire.messages import DEBUG_TAG, MESSAGE_TAG, DebugAsk
 __mplaunch_plumbing__ = True
 
 _sock = None
+_pid = None           # the rank's own process: its forked children (a DataLoader's
+                      # workers) share _sock, and may not ask over it (_own)
 _rank = "?"
+_told_child = False   # a child of the rank said its breakpoint() is skipped
 _serve = False        # a World's rank (install)
 _holder = None        # the pdb instance holding the turn, while one does
 _kept: Optional[BaseException] = None   # a World's rank: its last call's error
@@ -58,8 +61,8 @@ _WHERE = ("(this process's stdin is not a terminal, or stdin_rank=None, or the "
 def install(sock, rank, serve: bool) -> None:
     """Ask the launching process for lines from now on (`sock`: the result socket;
     `serve`: a World's rank, whose call an interrupt ends, not its process)."""
-    global _sock, _rank, _serve
-    _sock, _rank, _serve = sock, rank, serve
+    global _sock, _rank, _serve, _pid
+    _sock, _rank, _serve, _pid = sock, rank, serve, os.getpid()
     builtins.input = _input
     if not os.environ.get("PYTHONBREAKPOINT"):
         sys.breakpointhook = _breakpoint
@@ -122,8 +125,19 @@ def call_ends() -> None:
 
 def _breakpoint(*args, **kwargs):
     """sys.breakpointhook: pdb at the caller, if the launching process can answer."""
+    global _told_child
     frame = sys._getframe(1)
     where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    if not _own():
+        if _told_child:
+            return None
+        _told_child = True   # once per child process: a worker calls it per item
+        sys.stderr.write(
+            f"mplaunch: breakpoint() at {where} skipped in process {os.getpid()}, a "
+            f"child of rank {_rank} (a DataLoader worker?): only the rank's own process "
+            "asks the launching process for lines; debug the code there (a "
+            "DataLoader with num_workers=0)\n")
+        return None
     answer = _ask("open", "", where)
     if answer == "n":
         sys.stderr.write(
@@ -173,8 +187,8 @@ def _users_part(tb):
 
 def _input(prompt: object = "") -> str:
     """builtins.input in a rank: a line from the launching process's user."""
-    if _sock is None:
-        return _builtin_input(prompt)
+    if _sock is None or not _own():
+        return _builtin_input(prompt)   # a child of the rank: its own stdin, as before
     debugger = _calling_debugger()
     if debugger is not None:
         _hold(debugger)
@@ -262,7 +276,15 @@ def _flush() -> None:
     streams.wait_relayed()   # what pdb printed is shown before its prompt
 
 
+def _own() -> bool:
+    """Whether this is the rank's own process, not a child forked from it, whose asks
+    and answers would cross the rank's on the one socket they share."""
+    return os.getpid() == _pid
+
+
 def _tell(kind: str, text: str = "", where: str = "", hold: bool = False) -> None:
+    if not _own():
+        return
     _flush()
     msg = DebugAsk(kind, text, where, hold)
     try:
@@ -274,6 +296,8 @@ def _tell(kind: str, text: str = "", where: str = "", hold: bool = False) -> Non
 def _ask(kind: str, text: str, where: str, hold: bool = False) -> str:
     """Send an ask and block for its answer: "y"/"n" to ``open``; "L" and the line,
     "E" (end of input), "N" (nobody to answer) or "I" (interrupted) to ``line``."""
+    if not _own():
+        return "N" if kind == "line" else "n"
     _tell(kind, text, where, hold)
     while True:
         data, fds = recv_framed(_sock)
