@@ -85,8 +85,8 @@ class Debugging:
         if ask.kind != "line" or ask.hold:
             what = "an error" if ask.kind == "post-mortem" else "a breakpoint"
             at = f" at {ask.where}" if ask.where else ""
-            prompts.note(f"mplaunch: rank {r.spec.rank} stopped at {what}{at} and waits for "
-                  f"rank {self._holder.spec.rank}'s debugger to continue ('c')")
+            prompts.note(f"mplaunch: rank {r.spec.rank} stopped at {what}{at} and waits "
+                         f"for rank {self._holder.spec.rank}'s debugger to continue ('c')")
 
     def refuse(self, r) -> None:
         self._answer(r, "I")

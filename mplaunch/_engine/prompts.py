@@ -99,7 +99,7 @@ class Kernel(FrontEnd):
         if not self._told:
             self._told = True
             note("mplaunch: a rank waits for you at a prompt; a cell that waits for "
-                  "its launch (handle.result() or handle.wait()) shows it")
+                 "its launch (handle.result() or handle.wait()) shows it")
 
 
 # Prompts of launches run by start() in a kernel, for the main thread (serve_deferred).

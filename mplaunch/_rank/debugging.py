@@ -283,8 +283,6 @@ def _own() -> bool:
 
 
 def _tell(kind: str, text: str = "", where: str = "", hold: bool = False) -> None:
-    if not _own():
-        return
     _flush()
     msg = DebugAsk(kind, text, where, hold)
     try:
@@ -296,8 +294,6 @@ def _tell(kind: str, text: str = "", where: str = "", hold: bool = False) -> Non
 def _ask(kind: str, text: str, where: str, hold: bool = False) -> str:
     """Send an ask and block for its answer: "y"/"n" to ``open``; "L" and the line,
     "E" (end of input), "N" (nobody to answer) or "I" (interrupted) to ``line``."""
-    if not _own():
-        return "N" if kind == "line" else "n"
     _tell(kind, text, where, hold)
     while True:
         data, fds = recv_framed(_sock)

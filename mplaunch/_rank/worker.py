@@ -17,11 +17,11 @@ import time
 
 from . import (cells, collectives, debugging, heal, procgroup, reloads, rendezvous,
                call_loop as serving, streams)
+from .frames import is_ours
 # Imported here, not when first used: the server imports this module before it forks
 # any rank (a forked rank finds them loaded), and every rank needs them.
 from .._wire import buffers, linux, mainglobals, mainmod, payload as wire_payload
 from .._wire.channel import send_framed
-from .frames import is_ours
 from .._wire.exceptions import pack_exception
 from .._wire.messages import (EXIT_CHANNEL_CLOSED, EXIT_ERROR, EXIT_PARENT_GONE,
                               MESSAGE_TAG, RESULT_TAG, STACK_SIGNAL, KeptGlobals, Raised,
