@@ -57,7 +57,7 @@ TORCH_TESTS=(-m "not no_torch and not slurm and not slow and not notebook"
              tests/test_world.py tests/test_world_ledger.py tests/test_inputs.py
              tests/test_inputs_globals.py tests/test_basic.py tests/test_error_tails.py
              tests/test_insight.py tests/test_timeout.py tests/test_cli_torchrun.py
-             tests/test_gpus.py tests/test_devices.py)
+             tests/test_gpus.py tests/test_devices.py tests/test_stragglers.py)
 
 jobs_wanted=${MPLAUNCH_DEPS_JOBS:-pickling-floor torch-newest torch-floor ray-floor}
 failed=()

@@ -25,6 +25,7 @@ __all__ = [
     "Handle",
     "World",
     "rank_state",
+    "StragglerReport",
     "WorkerError",
     "MainProcessError",
     "LaunchTimeout",
@@ -43,6 +44,7 @@ _HOMES = {
     "Handle": "._handle",
     "World": "._world",
     "rank_state": "._rank.call_loop",
+    "StragglerReport": "._engine.stragglers",
     "load_ipython_extension": "._magic",
     "unload_ipython_extension": "._magic",
     "WorkerError": ".errors",
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     from ._spawn import SpawnContext, spawn
     from ._magic import load_ipython_extension, unload_ipython_extension
     from ._rank.call_loop import rank_state
+    from ._engine.stragglers import StragglerReport
     from ._world import World
     from .errors import (LaunchTimeout, MainProcessError, MPLaunchError, RankFailure,
                          RemoteException, WorkerError)

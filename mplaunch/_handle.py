@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Generic, List, Optional, TypeVar
 
 from ._engine import prompts, signals
 from ._engine.config import validate
+from ._engine.stragglers import analyse, off_line
 from ._launch import Run, from_here
 from ._wire.payload import dumps_payload
 from .errors import MPLaunchError
@@ -57,6 +58,21 @@ class Handle(Generic[T]):
         finally:
             self._run.started.set()
             self._finished.set()
+
+    def report(self):
+        """Who the others waited for, once the launch ended: as
+        :meth:`mplaunch.World.report`."""
+        if not self._finished.is_set():
+            raise RuntimeError("the launch is still running: its report comes when it "
+                               "ends (handle.wait())")
+        if self._run.flight_off:
+            raise RuntimeError(off_line(self._run.flight_off))
+        if not self._run.collectives:
+            raise RuntimeError("the launch recorded no collectives (its ranks started "
+                               "none, or it lasted less than a second)")
+        report = analyse(self._run.collectives)
+        report.late_stacks = dict(self._run.late)
+        return report
 
     @property
     def pids(self) -> Dict[int, int]:

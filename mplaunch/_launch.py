@@ -2,11 +2,13 @@
 store, the attempts, the restarts: _engine.run) to its results or its error."""
 from __future__ import annotations
 
+import warnings
 from typing import (Any, Callable, Iterable, List, Mapping, Optional, Sequence, TypeVar,
                     Union)
 
 from ._engine.config import DEFAULT_PREFIX, OPTION_DEFAULTS, Script, validate
 from ._engine.run import Run
+from ._engine.stragglers import analyse, off_line, worth_saying
 from ._wire.payload import dumps_payload
 from .errors import MPLaunchError
 
@@ -153,4 +155,14 @@ def run(func: Callable[..., Any], args: Any, nprocs: Any, options: Mapping[str, 
     cfg = validate(func, args, nprocs, options, script)
     payload = b"" if script is not None else dumps_payload(func, args,
                                                            options.get("kwargs") or {})
-    return Run(cfg, payload).drive()
+    run = Run(cfg, payload)
+    try:
+        return run.drive()
+    finally:
+        line = (off_line(run.flight_off) if run.flight_off else
+                worth_saying(analyse(run.collectives), set()) if run.collectives else None)
+        # (the late rank's stacks are in start(...).report(); the line stays one line)
+        if line:   # stacklevel: run() <- launch() <- the user's line
+            more = ("" if run.flight_off else
+                    "; mplaunch.start(...).report() has every rank's figures")
+            warnings.warn(f"mplaunch.launch: {line}{more}", RuntimeWarning, stacklevel=3)

@@ -133,6 +133,11 @@ def _parsers() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                                          "error, in the rank that raised it")
     debug.add_argument("rank", nargs="?", type=int, default=None,
                        help="the rank to open (default: the first whose error it was)")
+    report = sub.add_parser("report", help="who the others waited for in the last cell: "
+                                           "per rank, how often it started a "
+                                           "collective last, and how late")
+    report.add_argument("--trace", metavar="PATH", default=None,
+                        help="also write the cell's collectives as a Perfetto trace")
     cell = _Parser(prog="%%ranks", description="Run the cell in every rank.")
     cell.add_argument("--timeout", type=float, default=None,
                       help="seconds this cell may run (default: the world's)")
@@ -180,7 +185,8 @@ class _Ranks:
         [--log-dir D] [--env NAME=VALUE]``, ``%ranks stop``, ``%ranks restart``,
         ``%ranks push NAME...``, ``%ranks pull NAME`` (a list by rank), ``%ranks
         stacks`` (where each rank is now), ``%ranks debug [RANK]`` (pdb at the last
-        cell's error in that rank), and ``%ranks`` (status). ``%ranks --help``
+        cell's error in that rank), ``%ranks report [--trace PATH]`` (who the others
+        waited for in the last cell), and ``%ranks`` (status). ``%ranks --help``
         and ``%ranks start --help`` list the options.
         """
         __tracebackhide__ = True  # noqa: F841 - IPython leaves our frames out
@@ -213,6 +219,16 @@ class _Ranks:
         elif args.command == "stacks":
             print(self.world.stacks() if self.world is not None and self.world.pids
                   else "no rank is running")
+        elif args.command == "report":
+            if self.world is None or not self.world.pids:
+                raise Usage("no rank is running: %ranks report is about the last cell")
+            try:
+                report = self.world.report()
+            except RuntimeError as exc:
+                raise Usage(str(exc)) from None
+            if args.trace:
+                report.trace(args.trace)
+            return report
         elif args.command == "debug":
             if self.world is None or not self.world.pids:
                 raise Usage("no rank is running: %ranks debug opens the last cell's "

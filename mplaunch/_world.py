@@ -23,7 +23,10 @@ from ._engine.world_engine import RankCalls, Serving
 from ._rank import heal, procgroup
 from ._rank.debugging import is_post_mortem, world_post_mortem
 from ._wire.payload import dumps_payload
-from ._world_notes import answer, first_raised
+from ._engine.stragglers import analyse, off_line
+from ._rank.call_loop import own_call
+from ._rank.flight import last_call
+from ._world_notes import answer, first_raised, stragglers
 
 T = TypeVar("T")
 # mplaunch's own calls in the ranks, sent by reference to the rank's side
@@ -105,6 +108,10 @@ class World:
         self._modules = ModuleWatch()
         self._told: Set[tuple] = set()   # the notes said already (_world_notes)
         self._failed: Optional[int] = None   # the last run's first failing rank
+        self._report = None   # the last run's straggler report, where it was read
+        self._runs = 0        # the user's runs, and which one _report is of
+        self._report_of = -1
+        self._asked = ({}, None)   # report()'s own read of a short run: records, off
         _open.add(self)
 
     # -- public ----------------------------------------------------------------------
@@ -149,6 +156,24 @@ class World:
                              if k == "CUDA_VISIBLE_DEVICES"},
                  "payloads": getattr(i, "payloads", 0)}
                 for i in self._engine.nodes_info]
+
+    def report(self):
+        """Who the others waited for in the last run: per rank, how often it started a
+        collective last and how late, over every process group (a StragglerReport:
+        print it, or ``.trace(path)`` for a Perfetto timeline). A run of a second or
+        more was read as it ended; a shorter one is read now, from what torch's
+        Flight Recorder still holds of it."""
+        if self._runs == 0:
+            raise RuntimeError("this World has not run anything yet: report() is about "
+                               "its last run")
+        if self._report_of != self._runs:
+            self.run(last_call, timeout=float("inf"))   # its records come as a call's
+            records, off = self._asked
+            if off is not None:
+                raise RuntimeError(off_line(off))
+            self._report = analyse(records)
+            self._report_of = self._runs
+        return self._report
 
     def stacks(self):
         """{rank: where it is now}, asked without stopping anything, from any thread
@@ -198,7 +223,15 @@ class World:
             if reply.error is not None and reloads:
                 self._modules.again(reloads)   # some ranks may not have followed them
             values, error = answer(reply, self._told, self.size, self._send_hint)
-            if not is_post_mortem(func):
+            mine = is_post_mortem(func) or own_call(func)   # not the user's run
+            if func is last_call:
+                self._asked = reply.collectives, reply.flight_off
+            if not mine:
+                self._runs += 1
+                self._report = stragglers(reply.collectives, self._told,
+                                          reply.flight_off, reply.late)
+                self._report_of = self._runs if self._report is not None else -1
+            if not mine:
                 self._failed = first_raised(error)
         if error is not None:
             raise error   # here: the user's frames, then this call's line (from_here)

@@ -139,3 +139,27 @@ def _outside_mplaunch() -> int:
 
 
 _NOT_USERS = ("mplaunch", "IPython")
+
+
+def stragglers(collectives, told: Set[tuple], off: Optional[str] = None, late=None):
+    """The straggler report of a World's call whose ranks sent `collectives` ({rank:
+    records}), or None where they sent none; said once per rank (`told`) where one
+    rank kept the others waiting for a large share of the call. `off`: why the ranks
+    could read no collectives (this torch), said once; `late`: the stacks sampled from
+    a rank while the others waited for it (_engine.sampling)."""
+    from ._engine.stragglers import analyse, off_line, worth_saying
+    if off is not None:
+        if ("straggler-off",) not in told:
+            told.add(("straggler-off",))
+            warnings.warn(f"mplaunch.World: {off_line(off)}", RuntimeWarning,
+                          stacklevel=_outside_mplaunch())
+        return None
+    if not collectives:
+        return None
+    report = analyse(collectives)
+    report.late_stacks = dict(late or {})
+    line = worth_saying(report, told)
+    if line:
+        warnings.warn(f"mplaunch.World: {line}; world.report() has every rank's "
+                      "figures", RuntimeWarning, stacklevel=_outside_mplaunch())
+    return report

@@ -467,3 +467,38 @@ def test_ranks_stacks_magic_in_a_kernel(kernel_config, tmp_path):
     assert out.startswith("ranks 0, 1:\n"), out
     assert out.count("in spins_in_the_background") == 1, out
     assert "between calls" in out, out  # the main thread waits for the next cell
+
+
+def subgroup_rank_missing():
+    import time
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    pair = dist.new_group([0, 1])
+    t = torch.ones(1)
+    for _ in range(16):
+        if dist.get_rank() in (0, 1):
+            dist.all_reduce(t, group=pair)
+        dist.all_reduce(t)
+    if dist.get_rank() == 0:
+        dist.all_reduce(t, group=pair)   # PAIR-17: rank 1 never comes
+    elif dist.get_rank() == 1:
+        time.sleep(120)                  # RANK-1-ELSEWHERE
+    dist.barrier()
+
+
+def test_a_rank_missing_from_a_subgroups_collective_is_named_in_that_group():
+    # The timeout's report covers every group: rank 0 waits in collective 17 of the
+    # pair's group (not of the default one, where it is at 16 like rank 1), and the
+    # rank missing there is named with its stack.
+    with pytest.raises(mplaunch.LaunchTimeout) as info:
+        mplaunch.launch(subgroup_rank_missing, (), nprocs=4, timeout=6)
+    text = str(info.value)
+    assert "collectives: ranks 0, 1 are at collective 16; ranks 2, 3 wait in 17\n" in text
+    assert ("collectives of group 1 (ranks 0, 1): rank 1 is at collective 16; rank 0 "
+            "waits in 17\n") in text, text
+    rank0 = text[text.index("\nrank 0:\n"):]
+    assert rank0.startswith("\nrank 0:\n  in torch.distributed.all_reduce: collective 17 "
+                            "of group 1\n"), text
+    assert "# PAIR-17" in rank0.split("\nrank")[1], text
+    assert "# RANK-1-ELSEWHERE" in text[text.index("\nrank 1:\n"):], text

@@ -66,3 +66,34 @@ def test_a_rank_that_cannot_answer_does_not_hang_the_timeout():
 
 def test_fast_ranks_are_not_affected_by_timeout():
     assert mplaunch.launch(int, ("7",), 2, timeout=60) == [7, 7]
+
+
+def ignores_sigterm_then_sleeps(rank_slow_to_end):
+    import os
+    import signal
+    if int(os.environ["RANK"]) == rank_slow_to_end:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # ended only after the grace
+    time.sleep(600)   # STUCK-HERE
+
+
+def test_a_timeout_whose_ranks_are_slow_to_end_says_where_they_are_at_once(capfd):
+    # The report comes with the error; where the ranks take longer than a moment to
+    # end (64 ranks released: 6 s; here a rank ignoring SIGTERM for its 3 s grace), it
+    # is said on stderr at once too, before the error
+    t0 = time.monotonic()
+    with pytest.raises(mplaunch.LaunchTimeout) as info:
+        mplaunch.launch(ignores_sigterm_then_sleeps, (1,), nprocs=2, timeout=2,
+                        grace_period=3)
+    assert time.monotonic() - t0 > 4.5       # the grace was waited for
+    err = capfd.readouterr().err
+    assert err.count("mplaunch: timed out after 2 s; where each rank is") == 1, err
+    said = err[err.index("mplaunch: timed out after 2 s"):]
+    assert "# STUCK-HERE" in said and "ranks 0, 1:" in said, err
+    assert "# STUCK-HERE" in str(info.value)
+
+
+def test_a_timeout_that_ends_at_once_says_it_with_the_error_alone(capfd):
+    with pytest.raises(mplaunch.LaunchTimeout):
+        mplaunch.launch(ignores_sigterm_then_sleeps, (-1,), nprocs=2, timeout=1)
+    time.sleep(0.6)   # past the moment it would have been said
+    assert "mplaunch: timed out after" not in capfd.readouterr().err

@@ -33,8 +33,8 @@ from .._engine.env import allowed_cpus
 from .._engine.output import read_pipe
 from .._wire import auth, linux, tunnel
 from .._wire.channel import FramedReader
-from .._wire.link import (Bye, CloseGroup, Closed, Configure, Credit, Drop, Exited, Hello,
-                          NotReady, OpenGroup, Output, Payload, RankMessage, Ready,
+from .._wire.link import (Bye, Clock, CloseGroup, Closed, Configure, Credit, Drop, Exited,
+                          Hello, NotReady, OpenGroup, Output, Payload, RankMessage, Ready,
                           ServerLost, SignalGroups, Signaled, SignalRanks, StackBytes,
                           Started, StartFailed, StartRank, Sweep, Swept, ToRank)
 from .._wire.spec import for_this_node
@@ -385,6 +385,7 @@ _FRONT = {
     SignalGroups: Agent._signal_groups, SignalRanks: Agent._signal_ranks,
     Sweep: Agent._sweep, CloseGroup: Agent._close_group, Payload: Agent._payload,
     Drop: Agent._drop, Bye: Agent._bye,
+    Clock: lambda agent, req: agent._send(req._replace(theirs=time.time_ns())),
 }
 
 

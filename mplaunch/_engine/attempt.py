@@ -13,7 +13,7 @@ from .group import RankGroup
 from .tasks.sync import POLL_INTERVAL, NodeLost, NodeSync, NodeWatch
 from .outcome import first_error, local_failures
 from .signals import Waker
-from .timeouts import collect_stacks
+from .timeouts import timed_out
 from .._wire.spec import RankSpec
 
 
@@ -114,8 +114,7 @@ class Attempt:
                                     stopped=[r.spec.rank for r in group.ranks if r.alive])
                 group.stop(signal.SIGTERM, self._stop_grace)
             elif deadline is not None and group.running and clock() >= deadline:
-                self.early = Ending(EndKind.TIMED_OUT, time_limit=timeout,
-                                    stacks=collect_stacks(group))
+                self.early = timed_out(group, timeout)
                 group.stop(signal.SIGTERM)
 
     def _watch_nodes(self) -> None:

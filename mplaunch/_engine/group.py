@@ -28,7 +28,8 @@ from .ranks import RankState, drain_outputs
 from .signals import Waker
 from .._wire.channel import send_framed
 from .debugging import Debugging
-from .._wire.messages import CALL_TAG, RESULT_TAG, DebugAsk, KeptGlobals, Raised, Returned
+from .._wire.messages import CALL_TAG, RESULT_TAG, Collectives, DebugAsk, KeptGlobals, Raised, \
+    Returned
 from .._wire.payload import loads_result
 from .._wire.spec import RankSpec
 from ..errors import RankFailure
@@ -394,6 +395,10 @@ def _answer(r: RankState, tag: bytes, body: bytes, fds: list, debug: Debugging):
     if isinstance(msg, KeptGlobals):
         if not stale:
             r.kept_globals += msg.names   # before its answer (_wire.mainglobals)
+        return _NOT_AN_ANSWER
+    if isinstance(msg, Collectives):
+        if not stale:
+            r.collectives.append(msg)   # before its answer (_rank.flight)
         return _NOT_AN_ANSWER
     if isinstance(msg, DebugAsk):
         # Not an answer: a request for a line (an older call's: refused as interrupted)

@@ -33,7 +33,7 @@ from .attempt import Attempt
 from .ending import Ending, EndKind
 from .group import RankGroup
 from .ranks import RankState
-from .timeouts import collect_stacks
+from .timeouts import timed_out
 from .._wire.messages import LOST_PEER
 
 SETTLE = 0.1          # a rank in Python code answers an interrupt within milliseconds
@@ -85,8 +85,7 @@ class CallDriver:
                 break
             if (deadline is not None and not attempt.timed_out
                     and group.debug.clock() >= deadline):
-                attempt.early = Ending(EndKind.TIMED_OUT, time_limit=timeout,
-                                       stacks=collect_stacks(group))
+                attempt.early = timed_out(group, timeout)
                 self._trouble(now, at_once=True)
             if group.failures:
                 self._trouble(now, at_once=False)

@@ -20,7 +20,7 @@ class RankState:
     """One rank of a RankGroup."""
     __slots__ = ("spec", "pid", "reader", "out_fd", "err_fd", "stack_fd", "out", "err",
                  "status", "result", "has_result", "error", "max_rss", "exit_note",
-                 "reporter", "exited_at", "log_name", "kept_globals", "calls", "answers",
+                 "reporter", "exited_at", "log_name", "kept_globals", "collectives", "calls", "answers",
                  "_child_ends")
 
     def __init__(self, spec: RankSpec):
@@ -33,6 +33,8 @@ class RankState:
         # The __main__ names it kept over the caller's values (KeptGlobals), not yet
         # taken by the front-end (a World's: _engine.world_engine)
         self.kept_globals: tuple = ()
+        # this call's collectives (_wire.messages.Collectives), before its answer
+        self.collectives: list = []
         # Calls it was given (its first payload is one) and answers it sent: a rank
         # answers each call once, in order, so an answer that arrives while it still
         # owes one for a later call belongs to a call the launching process gave up on

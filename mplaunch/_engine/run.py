@@ -13,8 +13,10 @@ from .attempt import Attempt
 from .config import LaunchConfig
 from .tasks.sync import NodeWatch
 from .outcome import results_or_raise
+from .sampling import LateSampler
+from .stragglers import take_records
 from .session import Session
-from .timeouts import collect_stacks
+from .timeouts import collect_stacks, hush
 from .._wire.buffers import Payload
 from .._wire.stacks import RankStacks
 from ..errors import WorkerError
@@ -40,6 +42,10 @@ class Run:
         self.stop_grace: Optional[float] = None
         self.started = threading.Event()   # the first attempt's ranks all have pids
         self._pids: Dict[int, int] = {}
+        # per rank, the collectives the last attempt's ranks started (_rank.flight)
+        self.collectives: Dict[int, list] = {}
+        self.flight_off: Optional[str] = None   # why the ranks could read none
+        self.late: dict = {}   # the late rank's sampled stacks (_engine.sampling)
 
     @property
     def pids(self) -> Dict[int, int]:
@@ -100,6 +106,8 @@ class Run:
         self.attempt = attempt
         if self.stop_asked:
             attempt.request_stop(self.stop_grace)
+        sampler = LateSampler()
+        sampler.begin(attempt.group)
         try:
             if self.forward_signals:
                 with signals.forwarding(self.on_signal, wake_fd=session.waker.w):
@@ -107,7 +115,11 @@ class Run:
             else:
                 attempt.run(self.started.set)
         finally:
+            self.late = sampler.end()
+            hush(attempt.group)
+            sampler.close()
             self._pids = attempt.group.pids
+            self.collectives, self.flight_off = take_records(attempt.group)
             self.attempt = None
         return results_or_raise(attempt)
 

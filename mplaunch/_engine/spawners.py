@@ -86,6 +86,11 @@ class ServerSpawner:
         """`signo` to these ranks' processes alone (not their groups)."""
         self._send(SignalRanks(signo, tuple(pids)))
 
+    def clock_offset_ns(self, node: int) -> int:
+        """How far node `node`'s wall clock is ahead of this process's: on this
+        machine, not at all."""
+        return 0
+
     def sweep(self, timeout: float = 5.0) -> None:
         """Have the server kill what is left below it (orphaned grandchildren) and wait
         until it has, passing on exits reported meanwhile."""

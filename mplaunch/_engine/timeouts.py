@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import os
 import selectors
+import sys
+import threading
 import time
-from typing import Dict
+from typing import Dict, Optional
 
+from .ending import EndKind, Ending
 from .group import RankGroup
 from .._wire.messages import STACK_SIGNAL
-from .._wire.stacks import REPORTER
+from .._wire.stacks import REPORTER, summarize_stacks
 
 _STACK_WAIT = 2.0      # the most a caller waits for the ranks' stack dumps
 _QUIET = 0.1           # a dump is complete once its socket has been quiet this long
@@ -39,10 +42,46 @@ def _read(fd: int):
         return b""
 
 
-def collect_stacks(group: RankGroup) -> Dict[int, str]:
-    """{global rank: raw faulthandler dump} of every rank alive now. Thread-safe."""
+# A timeout's report goes with its error; where the ranks take longer than this to be
+# released (a World) or ended (a launch), as 64 ranks do (6 s here), it is said at once
+# too, so that the rank that is missing and its line come within a second.
+SAY_EARLY_AFTER_S = 0.4
+
+
+def timed_out(group: RankGroup, time_limit: float) -> Ending:
+    """The TIMED_OUT ending of `group`'s call, with every rank's stack; the report is
+    printed on stderr unless the call ends (hush) within SAY_EARLY_AFTER_S."""
+    stacks = collect_stacks(group)
+
+    def say():
+        try:
+            sys.stderr.write(f"mplaunch: timed out after {time_limit:g} s; where each "
+                             f"rank is (the error follows once the ranks are released or "
+                             f"ended):\n{summarize_stacks(stacks)}\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: the error still says it
+            pass
+    hush(group)
+    group.said_early = timer = threading.Timer(SAY_EARLY_AFTER_S, say)
+    timer.daemon = True
+    timer.start()
+    return Ending(EndKind.TIMED_OUT, time_limit=time_limit, stacks=stacks)
+
+
+def hush(group: Optional[RankGroup]) -> None:
+    """`group`'s call has ended (its error is about to be raised): nothing said early."""
+    timer = getattr(group, "said_early", None)
+    if timer is not None:
+        timer.cancel()
+        group.said_early = None
+
+
+def collect_stacks(group: RankGroup, only=None) -> Dict[int, str]:
+    """{global rank: raw faulthandler dump} of every rank alive now (or of the ranks
+    in `only`). Thread-safe."""
     with group.lock:
-        alive = [r for r in group.ranks if r.signalable and r.stack_fd is not None]
+        alive = [r for r in group.ranks if r.signalable and r.stack_fd is not None
+                 and (only is None or r.spec.rank in only)]
         texts = {r.stack_fd: b"" for r in alive}
         for r in alive:
             stale = b""
@@ -92,3 +131,43 @@ def _read_until_quiet(alive, texts, asked, group: RankGroup, begun: float) -> No
                 break
     finally:
         sel.close()
+
+
+def collect_records(group: RankGroup, wait: float = 0.2) -> Dict[int, Optional[dict]]:
+    """{global rank: its collectives record (_rank.collectives.report)} of the ranks
+    whose reporter runs, asked for the record alone (no stacks: a fraction of a
+    millisecond in each); a rank that does not answer within `wait` is left out.
+    Thread-safe."""
+    from .._wire.stacks import split_record
+    with group.lock:
+        alive = [r for r in group.ranks if r.signalable and r.stack_fd is not None]
+        for r in alive:
+            stale = b""
+            while (chunk := _read(r.stack_fd)):
+                stale += chunk   # its reporter's announcement, or a late answer
+            if REPORTER.encode() in stale:
+                r.reporter = True
+        asked = [r for r in alive if r.reporter]
+        texts = {r.stack_fd: b"" for r in asked}
+        for r in asked:
+            try:
+                os.write(r.stack_fd, b"c")
+            except OSError:
+                pass
+        sel = selectors.DefaultSelector()
+        try:
+            for fd in texts:
+                sel.register(fd, selectors.EVENT_READ)
+            end = time.monotonic() + wait
+            while time.monotonic() < end and not all(
+                    t.endswith(b"\x00") and t.count(b"\x00") >= 2 for t in texts.values()):
+                for key, _ in sel.select(0.01):
+                    chunk = _read(key.fd)
+                    if chunk:
+                        texts[key.fd] += chunk
+                    elif chunk == b"":
+                        sel.unregister(key.fd)
+        finally:
+            sel.close()
+        return {r.spec.rank: split_record(texts[r.stack_fd].decode("utf-8", "replace"))[1]
+                for r in asked if texts[r.stack_fd]}

@@ -32,7 +32,7 @@ import logging
 import pickle
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from . import servers, signals
 from .attempt import Attempt
@@ -40,10 +40,12 @@ from .nodes import hub as remote, spawner as nodespawner
 from .nodes.plan import NodesPlan
 from .config import LaunchConfig, node_user_envs, rank_specs, with_streams
 from .heal import CallDriver, consequences_last, what_was_kept
+from .sampling import LateSampler
+from .stragglers import take_records
 from .modwatch import UNFOLLOWED
 from .outcome import error_for, results_or_raise
 from .session import Session
-from .timeouts import collect_stacks
+from .timeouts import collect_stacks, hush
 from .._wire import buffers
 from .._wire.buffers import Payload
 from .._wire.messages import CALL_TAG, RELEASE_SIGNAL
@@ -75,6 +77,11 @@ class Reply:
     error: Optional[BaseException] = None
     unfollowed: Dict[str, Dict[str, List[int]]] = field(default_factory=dict)
     kept: Dict[tuple, List[int]] = field(default_factory=dict)
+    # per rank, the collectives it started in the call (_rank.flight), or why none were
+    # read (the same reason in every rank: one is kept)
+    collectives: Dict[int, list] = field(default_factory=dict)
+    flight_off: Optional[str] = None
+    late: Dict[int, Any] = field(default_factory=dict)   # _engine.sampling.LateSampler
 
 
 class Serving:
@@ -94,6 +101,7 @@ class Serving:
         self._stack: Optional[contextlib.ExitStack] = None
         self._generation = 0          # how many times ranks were started
         self._called = None           # the group of the last call (its notes: _take_notes)
+        self._sampler = LateSampler()  # the late rank's stack, in calls of 1 s or more
 
     @property
     def up(self) -> bool:
@@ -152,6 +160,7 @@ class Serving:
         self.attempt = self._stack = None
         if attempt is None:
             return
+        self._sampler.close()   # its thread ends; the next start's calls start another
         self.fresh = list(range(self.cfg.world_size))
         try:
             attempt.group.stop()
@@ -223,7 +232,9 @@ class Serving:
         except BaseException as exc:  # noqa: BLE001 - the front-end raises it
             reply.error = exc
         group, self._called = self._called, None
+        hush(group)
         _take_notes(group, reply)
+        reply.late = self._sampler.end()
         return reply
 
     def _call(self, payload: Union[bytes, Payload], timeout: Optional[float],
@@ -232,6 +243,7 @@ class Serving:
         self.fresh = []
         attempt = self.attempt
         self._called = attempt.group
+        self._sampler.begin(attempt.group)
         ahead = (CALL_TAG + pickle.dumps(tuple(reloads), pickle.HIGHEST_PROTOCOL)
                  if reloads else b"")
 
@@ -393,6 +405,8 @@ def _take_notes(group, reply: Reply) -> None:
             else:
                 reply.kept.setdefault(note, []).append(r.spec.rank)
         r.kept_globals = ()
+    if group is not None:
+        reply.collectives, reply.flight_off = take_records(group)
 
 
 def _disagree(states: list) -> bool:

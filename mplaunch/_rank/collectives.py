@@ -66,7 +66,8 @@ def _serve(fd: int) -> None:
             info = report()
             info["main"] = f"0x{threading.main_thread().ident:016x}"
             os.write(fd, _record(info))
-            faulthandler.dump_traceback(file=fd, all_threads=True)
+            if b"?" in data:   # b"c" alone: the record, without the stacks
+                faulthandler.dump_traceback(file=fd, all_threads=True)
         except OSError:
             return
 
@@ -77,10 +78,36 @@ def _record(info: dict) -> bytes:
 
 def report() -> dict:
     """{"initialized": bool, "seq": the default group's collective count or None,
-    "why": why it is None}."""
+    "why": why it is None, "groups": {name: collectives started} of every group of the
+    rank, "current": [name, number] of the collective its main thread is in}."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_initialized():
         return {"initialized": False}
     seq, why = torchapi.sequence_number_and_why()
-    return {"initialized": True, "seq": seq} if why is None else \
+    out = {"initialized": True, "seq": seq} if why is None else \
         {"initialized": True, "seq": None, "why": why}
+    if seq is not None:
+        # every group's count, and the group whose collective the main thread is in
+        out["groups"] = {_DEFAULT: seq, **torchapi.group_sequence_numbers()}
+        current = _current_group()
+        if current is not None:
+            out["current"] = list(current)
+    return out
+
+
+_DEFAULT = "0"   # the default group's name (distributed_c10d._world.pg_names)
+_C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
+
+
+def _current_group():
+    """(name, number) of the collective the main thread is in: the ``group`` argument
+    of the innermost distributed_c10d function with one on its stack, read from this
+    thread while the main thread waits in C; or None."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.endswith(_C10D) and "group" in code.co_varnames[
+                :code.co_argcount + code.co_kwonlyargcount]:
+            return torchapi.group_name_and_count(frame.f_locals.get("group"))
+        frame = frame.f_back
+    return None

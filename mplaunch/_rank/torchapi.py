@@ -20,6 +20,7 @@ import sys
 from typing import Optional, Tuple
 
 __all__ = ["sequence_number", "sequence_number_and_why", "group_sequence_numbers",
+           "group_name_and_count",
            "abort_default_group",
            "init_kwargs_for_device", "rendezvous_handlers"]
 
@@ -99,6 +100,27 @@ def group_sequence_numbers() -> dict:
         except Exception:  # noqa: BLE001 - a backend that does not count, or none
             continue
     return counts
+
+
+def group_name_and_count(group) -> Optional[Tuple[str, int]]:
+    """(name, collectives started) of `group` as a collective's ``group`` argument
+    holds it (None or ``GroupMember.WORLD``: the default group), or None.
+
+    Uses ``distributed_c10d._world.pg_names`` and ``_get_sequence_number_for_group``
+    (every torch 2.x). Fallback: None, and the stack report names the default group's
+    count alone."""
+    dist = _dist()
+    if dist is None:
+        return None
+    c10d = dist.distributed_c10d
+    try:
+        if group is None or group is getattr(c10d.GroupMember, "WORLD", None):
+            group = c10d._get_default_group()
+        name = c10d._world.pg_names.get(group)
+        count = group._get_sequence_number_for_group()
+    except Exception:  # noqa: BLE001 - another layout, a destroyed group
+        return None
+    return (str(name), int(count)) if name is not None else None
 
 
 def abort_default_group() -> bool:

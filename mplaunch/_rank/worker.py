@@ -15,8 +15,8 @@ import signal
 import sys
 import time
 
-from . import (cells, collectives, debugging, heal, procgroup, reloads, rendezvous,
-               call_loop as serving, streams)
+from . import (cells, collectives, debugging, flight, heal, procgroup, reloads,
+               rendezvous, call_loop as serving, streams)
 from .frames import is_ours
 # Imported here, not when first used: the server imports this module before it forks
 # any rank (a forked rank finds them loaded), and every rank needs them.
@@ -176,6 +176,7 @@ def _run_and_report(spec, fds: dict) -> int:
     global _channel_inode
     _channel_inode = os.fstat(sock.fileno()).st_ino
     debugging.install(sock, spec.rank, spec.serve)   # pdb, input() ask the launcher
+    flight.arm()   # before any process group: a ring buffer cheap to read
     if spec.serve:
         heal.arm_release()   # before the first call: every thread must inherit its mask
         serving.arm()        # the World's interrupt: only inside a call's window
@@ -216,11 +217,16 @@ def _call_and_report(sock, spec, payload_fd: int, changes=(), first: bool = Fals
             # calls of a heal (the group's state, its rebuild) nor their set-up.
             serving.accept_interrupts(not serving.own_call(func))
             debugging.call_begins(func)   # the user's calls forget the last error
+            own = serving.own_call(func)
+            if not own:
+                flight.call_begins()
             try:
                 value = func(*args, **kwargs)
             finally:
                 serving.accept_interrupts(False)
                 debugging.call_ends()
+                if taken := flight.take(own):
+                    _send(sock, taken)
                 mainglobals.settle(func)   # what the call assigned is the rank's
     except SystemExit as exc:
         serving.accept_interrupts(False)

@@ -116,6 +116,15 @@ class Drop(NamedTuple):
     key: Key
 
 
+class Clock(NamedTuple):
+    """A clock reading, sent back at once with `theirs` filled: the launching side's wall
+    clock when it asked and the agent's when it answered (ns), so that the Flight
+    Recorder's times of every node line up (_engine.nodes.hub.Hub._clocks)."""
+    tag = "clock"
+    sent: int
+    theirs: int = 0
+
+
 class Bye(NamedTuple):
     """The World is closing: the agent ends, and its ranks with it."""
     tag = "bye"

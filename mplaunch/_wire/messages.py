@@ -182,6 +182,14 @@ class KeptGlobals(NamedTuple):
     names: Tuple[tuple, ...]
 
 
+class Collectives(NamedTuple):
+    """Sent before a call's answer: the collectives the rank started during the call
+    (_rank.flight: (group, seq, name, created ns) each), or why none could be read."""
+    tag = "coll"
+    records: Tuple[tuple, ...]
+    why_off: Optional[str]
+
+
 class DebugAsk(NamedTuple):
     """A rank asks its user for something (_rank.debugging): ``open``, whether anybody
     can answer (a pdb about to stop at `where`); ``line``, a line for input() or pdb,

@@ -143,6 +143,10 @@ def collective_line(dump: str) -> Optional[str]:
     if record is not None and not record.get("initialized", True):
         return None
     seq = record.get("seq") if record else None
+    inside = _inside(record)
+    if name is not None and inside is not None and inside[0] != DEFAULT_GROUP:
+        group, started = inside
+        return f"in torch.distributed.{name}: collective {started} of {_label(group)}"
     if name is not None:
         number = (f"collective {seq} of its default group" if seq is not None
                   else "collective number unknown (" + (
@@ -154,12 +158,48 @@ def collective_line(dump: str) -> Optional[str]:
     return None
 
 
-def sequence_of(dump: str) -> Tuple[Optional[int], bool]:
-    """(the default group's sequence number or None, whether the rank is inside a
-    collective)."""
+DEFAULT_GROUP = "0"   # the default group's name in torch's Flight Recorder
+
+
+def _label(group: str) -> str:
+    return "its default group" if group == DEFAULT_GROUP else f"group {group}"
+
+
+def _inside(record: Optional[dict]) -> Optional[Tuple[str, int]]:
+    """(the group whose collective the rank's main thread is in, its number), where
+    the rank said (_rank.collectives), else None."""
+    current = (record or {}).get("current")
+    if not current:
+        return None
+    return str(current[0]), int(current[1])
+
+
+def sequence_of(dump: str, group: str = DEFAULT_GROUP) -> Tuple[Optional[int], bool]:
+    """(`group`'s sequence number or None, whether the rank is inside a collective of
+    it): from every group's counts where the rank sent them, else the default group's
+    number and whether a torch.distributed function is on its stack."""
     record = split_record(dump)[1]
+    groups = (record or {}).get("groups")
+    if groups:
+        if group not in groups:
+            return None, False
+        inside = _inside(record)
+        if inside is not None and inside[0] == group and collective_of(dump) is not None:
+            return inside[1], True
+        return int(groups[group]), False
+    if group != DEFAULT_GROUP:
+        return None, False
     seq = record.get("seq") if record else None
     return (seq if isinstance(seq, int) else None), collective_of(dump) is not None
+
+
+def _groups_of(stacks: Dict[int, str]) -> List[str]:
+    """Every group some rank sent counts of, the default one first."""
+    names = set()
+    for dump in stacks.values():
+        names.update(((split_record(dump)[1] or {}).get("groups") or {}).keys())
+    names.discard(DEFAULT_GROUP)
+    return [DEFAULT_GROUP] + sorted(names, key=lambda n: (len(n), n))
 
 
 def readable_stack(dump: str) -> str:
@@ -213,12 +253,13 @@ def group_stacks(readable: Dict[int, str]) -> List[Tuple[List[int], str]]:
                   key=lambda g: (-len(g[0]), g[0][0]))
 
 
-def behind(stacks: Dict[int, str]) -> Optional[str]:
-    """'rank 1 is at collective 41; ranks 0, 2, 3 wait in 42': where ranks' default
-    groups disagree on the collective sequence number, or None."""
+def behind(stacks: Dict[int, str], group: str = DEFAULT_GROUP) -> Optional[str]:
+    """'rank 1 is at collective 41; ranks 0, 2, 3 wait in 42': where the members of
+    `group` (default: the default group) disagree on its collective sequence number,
+    or None."""
     where: Dict[Tuple[int, bool], List[int]] = {}
     for rank, dump in stacks.items():
-        seq, inside = sequence_of(dump)
+        seq, inside = sequence_of(dump, group)
         if seq is not None:
             where.setdefault((seq, inside), []).append(rank)
     if len({seq for seq, _ in where}) < 2:
@@ -238,9 +279,13 @@ def summarize_stacks(stacks: Dict[int, str]) -> str:
     the biggest group first; led by which ranks are behind in their collectives.
     `stacks` maps rank to its raw dump."""
     lines = []
-    lagging = behind(stacks)
-    if lagging:
-        lines.append(f"collectives: {lagging}")
+    for group in _groups_of(stacks):
+        lagging = behind(stacks, group)
+        if lagging and group == DEFAULT_GROUP:
+            lines.append(f"collectives: {lagging}")
+        elif lagging:
+            members = [r for r, d in stacks.items() if sequence_of(d, group)[0] is not None]
+            lines.append(f"collectives of group {group} ({rank_list(members)}): {lagging}")
     readable = {rank: readable_stack(dump) for rank, dump in stacks.items()}
     for ranks, text in group_stacks(readable):
         if text == NO_STACK:

@@ -35,7 +35,7 @@ from .payloads import NodePayloads
 from .pump import Pump
 from .schedulers import AgentLaunch, Scheduler, Step
 from ..._wire import auth, tunnel
-from ..._wire.link import (Bye, Closed, Configure, Exited, NotReady, OpenGroup,
+from ..._wire.link import (Bye, Clock, Closed, Configure, Exited, NotReady, OpenGroup,
                            Output, RankMessage, Ready, ServerLost, Signaled, StackBytes,
                            Started, StartFailed, StartRank, Swept, ToRank)
 from ..._wire.spec import RankSpec
@@ -57,6 +57,30 @@ class LinkLost(NamedTuple):
 _REPORTS = {Started: "on_started", Exited: "on_exited", StartFailed: "on_start_failed",
             ServerLost: "on_server_lost", LinkLost: "on_link_lost", Swept: "on_answer",
             Closed: "on_answer"}
+
+
+def _clock_offset(link: "Link", rounds: int = 3) -> int:
+    """How far `link`'s node's wall clock is ahead of this process's, in ns: NTP's
+    estimate (the agent read its clock halfway through the round trip), from the
+    quickest of a few round trips. Only the Flight Recorder's times use it (a straggler
+    report across nodes, _engine.stragglers); a link that fails here is left to the
+    pump, which reports it, so this never raises."""
+    best = None
+    link.sock.settimeout(10.0)
+    try:
+        for _ in range(rounds):
+            sent = time.time_ns()
+            tunnel.send(link.sock, Clock(sent))
+            back = tunnel.recv(link.sock)
+            came = time.time_ns()
+            if isinstance(back, Clock) and (best is None or came - sent < best[0]):
+                best = (came - sent, back.theirs - (sent + came) // 2)
+    except OSError:
+        pass
+    finally:
+        if link.sock.fileno() != -1:
+            link.sock.settimeout(None)
+    return best[1] if best is not None else 0
 
 
 class Link:
@@ -312,6 +336,8 @@ class Hub:
                 raise NodesError(f"{link.describe()}'s agent ended while starting; "
                                  f"{self._step_said()}")
             link.info.gpus, link.info.placed_cpus = ready.gpus, ready.cpus
+        for link in self.links:
+            link.info.clock_offset_ns = _clock_offset(link)
 
     def _step_said(self) -> str:
         out = self._step_log

@@ -206,6 +206,9 @@ class RemoteSpawner:
             waiting -= {i for k, i in self._acks if k is answer}
             waiting = {i for i in waiting if self.hub.links[i].lost is None}
 
+    def clock_offset_ns(self, node: int) -> int:
+        return self.hub.links[node].info.clock_offset_ns
+
     def sweep(self, timeout: float = 5.0) -> None:
         self._round(Sweep(), Swept, timeout)
 
