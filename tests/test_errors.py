@@ -27,7 +27,7 @@ pytestmark = pytest.mark.no_torch
 PUBLIC = {
     "launch", "start", "spawn", "SpawnContext", "Handle", "World", "rank_state",
     "WorkerError", "MainProcessError", "LaunchTimeout", "RankFailure",
-    "RemoteException", "MPLaunchError", "__version__",
+    "RemoteException", "MPLaunchError", "StragglerReport", "__version__",
 }
 ERROR_TYPES = [mplaunch.WorkerError, mplaunch.LaunchTimeout, mplaunch.MainProcessError,
                mplaunch.RankFailure, mplaunch.RemoteException, mplaunch.MPLaunchError]
