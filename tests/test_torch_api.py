@@ -132,7 +132,8 @@ def ends_a_failed_group(hide):
 def test_the_sequence_number_is_torchs_count_in_every_caller():
     for out in mplaunch.launch(counts_three, (False,), nprocs=2):
         assert out["api"] == (3, None)
-        assert out["report"] == {"initialized": True, "seq": 3}
+        # every group's count beside it, the default group's under its name "0"
+        assert out["report"] == {"initialized": True, "seq": 3, "groups": {"0": 3}}
         assert out["group_state"] == out["health"] == 3
 
 
