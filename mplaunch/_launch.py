@@ -2,6 +2,7 @@
 store, the attempts, the restarts: _engine.run) to its results or its error."""
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import (Any, Callable, Iterable, List, Mapping, Optional, Sequence, TypeVar,
                     Union)
@@ -11,6 +12,8 @@ from ._engine.run import Run
 from ._engine.stragglers import analyse, off_line, worth_saying
 from ._wire.payload import dumps_payload
 from .errors import MPLaunchError
+
+_said_off: List[bool] = []   # the straggler report's off line was said in this process
 
 T = TypeVar("T")
 
@@ -159,10 +162,13 @@ def run(func: Callable[..., Any], args: Any, nprocs: Any, options: Mapping[str, 
     try:
         return run.drive()
     finally:
-        line = (off_line(run.flight_off) if run.flight_off else
-                worth_saying(analyse(run.collectives), set()) if run.collectives else None)
+        line = (worth_saying(analyse(run.collectives), set())
+                if run.collectives and not run.flight_off else None)
         # (the late rank's stacks are in start(...).report(); the line stays one line)
         if line:   # stacklevel: run() <- launch() <- the user's line
-            more = ("" if run.flight_off else
-                    "; mplaunch.start(...).report() has every rank's figures")
-            warnings.warn(f"mplaunch.launch: {line}{more}", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"mplaunch.launch: {line}; mplaunch.start(...).report() has "
+                          f"every rank's figures", RuntimeWarning, stacklevel=3)
+        elif run.flight_off and not _said_off:
+            _said_off.append(True)   # once per process, logged (_world_notes.stragglers)
+            logging.getLogger("mplaunch").warning("mplaunch.launch: %s",
+                                                  off_line(run.flight_off))
