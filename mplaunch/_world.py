@@ -231,7 +231,6 @@ class World:
                 self._report = stragglers(reply.collectives, self._told,
                                           reply.flight_off, reply.late)
                 self._report_of = self._runs if self._report is not None else -1
-            if not mine:
                 self._failed = first_raised(error)
         if error is not None:
             raise error   # here: the user's frames, then this call's line (from_here)

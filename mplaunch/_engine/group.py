@@ -28,8 +28,8 @@ from .ranks import RankState, drain_outputs
 from .signals import Waker
 from .._wire.channel import send_framed
 from .debugging import Debugging
-from .._wire.messages import CALL_TAG, RESULT_TAG, Collectives, DebugAsk, KeptGlobals, Raised, \
-    Returned
+from .._wire.messages import (CALL_TAG, RESULT_TAG, Collectives, DebugAsk, KeptGlobals,
+                              Raised, Returned)
 from .._wire.payload import loads_result
 from .._wire.spec import RankSpec
 from ..errors import RankFailure

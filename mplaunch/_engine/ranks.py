@@ -20,8 +20,8 @@ class RankState:
     """One rank of a RankGroup."""
     __slots__ = ("spec", "pid", "reader", "out_fd", "err_fd", "stack_fd", "out", "err",
                  "status", "result", "has_result", "error", "max_rss", "exit_note",
-                 "reporter", "exited_at", "log_name", "kept_globals", "collectives", "calls", "answers",
-                 "_child_ends")
+                 "reporter", "exited_at", "log_name", "kept_globals", "collectives",
+                 "calls", "answers", "_child_ends")
 
     def __init__(self, spec: RankSpec):
         self.spec = spec

@@ -26,7 +26,7 @@ from typing import Dict, Optional
 from .ending import EndKind, Ending
 from .group import RankGroup
 from .._wire.messages import STACK_SIGNAL
-from .._wire.stacks import REPORTER, summarize_stacks
+from .._wire.stacks import REPORTER, split_record, summarize_stacks
 
 _STACK_WAIT = 2.0      # the most a caller waits for the ranks' stack dumps
 _QUIET = 0.1           # a dump is complete once its socket has been quiet this long
@@ -80,28 +80,38 @@ def collect_stacks(group: RankGroup, only=None) -> Dict[int, str]:
     """{global rank: raw faulthandler dump} of every rank alive now (or of the ranks
     in `only`). Thread-safe."""
     with group.lock:
-        alive = [r for r in group.ranks if r.signalable and r.stack_fd is not None
-                 and (only is None or r.spec.rank in only)]
+        alive = _reachable(group, only)
         texts = {r.stack_fd: b"" for r in alive}
-        for r in alive:
-            stale = b""
-            while True:
-                chunk = _read(r.stack_fd)
-                if not chunk:
-                    break
-                stale += chunk  # an announcement, or an answer too late for a request
-            if REPORTER.encode() in stale:
-                r.reporter = True
-        asked = [r for r in alive if r.reporter]
-        for r in asked:
-            try:
-                os.write(r.stack_fd, b"?")
-            except OSError:
-                pass
+        asked = _ask_reporters(alive, b"?")
         group.send_signal(STACK_SIGNAL, [r for r in alive if not r.reporter])
         begun = time.monotonic()
         _read_until_quiet(alive, texts, asked, group, begun)
         return {r.spec.rank: texts[r.stack_fd].decode("utf-8", "replace") for r in alive}
+
+
+def _reachable(group: RankGroup, only=None) -> list:
+    """The ranks of `group` (or those in `only`) alive now, with a stack channel."""
+    return [r for r in group.ranks if r.signalable and r.stack_fd is not None
+            and (only is None or r.spec.rank in only)]
+
+
+def _ask_reporters(ranks, request: bytes) -> list:
+    """Empty each rank's stack channel (its reporter's announcement, or an answer too
+    late for an earlier request), then send `request` to the ranks whose collectives
+    reporter runs (_rank.collectives): those asked."""
+    for r in ranks:
+        stale = b""
+        while (chunk := _read(r.stack_fd)):
+            stale += chunk
+        if REPORTER.encode() in stale:
+            r.reporter = True
+    asked = [r for r in ranks if r.reporter]
+    for r in asked:
+        try:
+            os.write(r.stack_fd, request)
+        except OSError:
+            pass
+    return asked
 
 
 def _read_until_quiet(alive, texts, asked, group: RankGroup, begun: float) -> None:
@@ -138,22 +148,9 @@ def collect_records(group: RankGroup, wait: float = 0.2) -> Dict[int, Optional[d
     whose reporter runs, asked for the record alone (no stacks: a fraction of a
     millisecond in each); a rank that does not answer within `wait` is left out.
     Thread-safe."""
-    from .._wire.stacks import split_record
     with group.lock:
-        alive = [r for r in group.ranks if r.signalable and r.stack_fd is not None]
-        for r in alive:
-            stale = b""
-            while (chunk := _read(r.stack_fd)):
-                stale += chunk   # its reporter's announcement, or a late answer
-            if REPORTER.encode() in stale:
-                r.reporter = True
-        asked = [r for r in alive if r.reporter]
+        asked = _ask_reporters(_reachable(group), b"c")
         texts = {r.stack_fd: b"" for r in asked}
-        for r in asked:
-            try:
-                os.write(r.stack_fd, b"c")
-            except OSError:
-                pass
         sel = selectors.DefaultSelector()
         try:
             for fd in texts:

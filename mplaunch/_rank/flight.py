@@ -4,7 +4,8 @@
 torch records every collective a process group starts (its group, its sequence number
 in that group, its name, the wall-clock time it was created) in a ring buffer, for gloo
 too since torch 2.13, with no code in the rank. Reading it is the cost: torch serialises
-the whole buffer each time (about 55 us an entry here), so a rank reads it once per call,
+the whole buffer each time (3 to 5 ms for 256 entries here, idle; about 55 us an entry
+with a test suite running beside it), so a rank reads it once per call,
 and only for a call that lasted long enough for a straggler to matter (MIN_CALL_S);
 records it already sent, or made before the call began, are left out.
 
@@ -24,8 +25,8 @@ from .call_loop import uninterrupted
 from .torchapi import sequence_number
 
 MIN_CALL_S = 1.0
-# The ring buffer a rank gets where it sets no TORCH_FR_* of its own: reading costs
-# about 55 us an entry (torch's default buffer, 2000, would cost ~0.1 s a call); 256
+# The ring buffer a rank gets where it sets no TORCH_FR_* of its own: reading costs up
+# to 55 us an entry (torch's default buffer, 2000, would cost ~0.1 s a call); 256
 # holds 128 steps of a 2-bucket DDP model, more than a straggler needs to be named.
 BUFFER = "256"
 

@@ -119,7 +119,7 @@ class Drop(NamedTuple):
 class Clock(NamedTuple):
     """A clock reading, sent back at once with `theirs` filled: the launching side's wall
     clock when it asked and the agent's when it answered (ns), so that the Flight
-    Recorder's times of every node line up (_engine.nodes.hub.Hub._clocks)."""
+    Recorder's times of every node line up (_engine.nodes.hub._clock_offset)."""
     tag = "clock"
     sent: int
     theirs: int = 0

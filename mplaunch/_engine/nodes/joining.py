@@ -35,7 +35,7 @@ class NodeInfo:
     gpus: Optional[tuple] = None
     placed_cpus: Optional[tuple] = None
     payloads: int = 0       # payloads sent to the node so far (_engine.nodes.payloads)
-    clock_offset_ns: int = 0  # its wall clock less the launching process's (Hub._clocks)
+    clock_offset_ns: int = 0  # its wall clock less ours (hub._clock_offset)
 
 
 class Joining:
