@@ -117,7 +117,6 @@ class Run:
         finally:
             self.late = sampler.end()
             hush(attempt.group)
-            sampler.close()
             self._pids = attempt.group.pids
             self.collectives, self.flight_off = take_records(attempt.group)
             self.attempt = None

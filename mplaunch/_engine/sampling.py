@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from typing import Dict, Optional
 
 from .timeouts import collect_records, collect_stacks
@@ -21,77 +22,75 @@ from .timeouts import collect_records, collect_stacks
 AFTER_S = 1.0
 EVERY_S = 0.5
 
+# One thread for the whole process, started at the first call, samples every call that
+# has run for AFTER_S (a World's, a launch's): a call costs a lock and a dict entry, no
+# thread started or joined (a thread per launch sat on the path every launch takes).
+# Its condition is notified when a call begins, so that it sleeps exactly until the
+# next call's first sample is due.
+_cond = threading.Condition()
+_active: Dict[int, "LateSampler"] = {}   # id -> a sampler whose call runs
+_thread: Optional[threading.Thread] = None
+
 
 class LateSampler:
-    """One thread for a World's life; each call is sampled from begin() until end().
-    Per call that costs setting two events: no thread is started for it."""
+    """The samples of one World's (or launch's) calls: each call is sampled from
+    begin() until end() by the process's sampling thread."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._call = threading.Event()    # set while a call runs
-        self._ended = threading.Event()   # set when it ends (wakes the thread)
         self._group = None
         self._found: Dict[int, collections.Counter] = {}
-        self._thread: Optional[threading.Thread] = None
-        self._closed = False
+        self._due = 0.0   # monotonic time of its next sample
 
     def begin(self, group) -> None:
-        with self._lock:
-            if self._closed:   # closed with the ranks; these are new ones
-                self._closed, self._thread = False, None
+        global _thread
+        with _cond:
             self._group, self._found = group, {}
-            self._ended.clear()
-            self._call.set()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name="mplaunch-late-sampler")
-                self._thread.start()
+            self._due = time.monotonic() + AFTER_S
+            _active[id(self)] = self
+            if _thread is None or not _thread.is_alive():   # first call, or a fork's
+                _thread = threading.Thread(target=_run, daemon=True,
+                                           name="mplaunch-late-sampler")
+                _thread.start()
+            _cond.notify()
 
     def end(self) -> Dict[int, collections.Counter]:
         """{rank: {its readable stack while the others waited for it: times}}."""
-        with self._lock:
-            self._call.clear()
-            self._ended.set()
+        with _cond:
+            _active.pop(id(self), None)
             found, self._found, self._group = self._found, {}, None
         return found
 
-    def close(self) -> None:
-        thread = self._thread
-        self._closed = True
-        self.end()
-        self._call.set()   # the thread sees _closed and returns
-        if thread is not None:
-            thread.join()
-        self._call.clear()
-
-    def _run(self) -> None:
+    def _sample(self, group) -> None:
+        """One sample of `group`'s ranks (outside the lock: it asks the ranks)."""
         from .._wire.stacks import readable_stack
-        while True:
-            self._call.wait()
-            if self._closed:
-                return
-            if self._ended.wait(AFTER_S):
-                continue   # a short call: nothing sampled
-            while not self._ended.is_set():
-                group = self._group
-                if group is None:
-                    break
-                try:
-                    late = waited_for(collect_records(group))
-                    dump = (collect_stacks(group, only={late}).get(late)
-                            if late is not None else None)
-                except Exception:  # noqa: BLE001 - ranks ending under it
-                    dump = None
-                with self._lock:
-                    if dump and group is self._group:
-                        # by place: its first line ("in no collective; ... has
-                        # started 6") changes from sample to sample at one place
-                        text = readable_stack(dump)
-                        frames = (text.split("\n", 1)[-1] if text.startswith("in ")
-                                  else text)
-                        self._found.setdefault(late, collections.Counter())[frames] += 1
-                if self._ended.wait(EVERY_S):
-                    break
+        try:
+            late = waited_for(collect_records(group))
+            dump = (collect_stacks(group, only={late}).get(late)
+                    if late is not None else None)
+        except Exception:  # noqa: BLE001 - ranks ending under it
+            dump = None
+        with _cond:
+            if dump and group is self._group:
+                # by place: its first line ("in no collective; ... has started 6")
+                # changes from sample to sample at one place
+                text = readable_stack(dump)
+                frames = text.split("\n", 1)[-1] if text.startswith("in ") else text
+                self._found.setdefault(late, collections.Counter())[frames] += 1
+
+
+def _run() -> None:
+    while True:
+        with _cond:
+            now = time.monotonic()
+            due = [(s, s._group) for s in _active.values() if s._due <= now]
+            for s, _ in due:
+                s._due = now + EVERY_S
+            if not due:
+                _cond.wait(min((s._due for s in _active.values()), default=now + 3600)
+                           - now)
+                continue
+        for sampler, group in due:
+            sampler._sample(group)
 
 
 def waited_for(records: Dict[int, Optional[dict]]) -> Optional[int]:

@@ -160,7 +160,7 @@ class Serving:
         self.attempt = self._stack = None
         if attempt is None:
             return
-        self._sampler.close()   # its thread ends; the next start's calls start another
+        self._sampler.end()   # (a call the stop cut short)
         self.fresh = list(range(self.cfg.world_size))
         try:
             attempt.group.stop()
