@@ -379,3 +379,33 @@ def test_a_launch_says_its_slow_rank_once_and_a_started_ones_handle_reports_it()
     report = handle.report()
     assert report.named == 2 and report.collectives >= 10, str(report)
     assert "# SLOW" in str(report), str(report)   # its stack while the others waited
+
+
+def _late_big_result(seconds):
+    import numpy as np
+    time.sleep(seconds)
+    return np.ones(1 << 18)   # 2 MiB: comes back through a memfd
+
+
+def _result_memfds():
+    import os
+    found = []
+    for fd in os.listdir("/proc/self/fd"):   # (the listing's own fd is gone by now)
+        try:
+            found.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return [name for name in found if "mplaunch-result" in name]
+
+
+def test_a_call_that_was_sampled_is_not_held_after_it():
+    # the process's sampling thread kept the last call it sampled (its rank group, and
+    # the memfds of the ranks' results) in its loop's names while it waited: a launch of
+    # 1 s or more left its result's memfd open (CI: test_sweep's large results)
+    import gc
+    before = _result_memfds()
+    [got] = mplaunch.launch(_late_big_result, (1.6,), nprocs=1, preload=())
+    assert got.sum() == 1 << 18
+    del got
+    gc.collect()
+    assert _result_memfds() == before

@@ -83,14 +83,17 @@ def _run() -> None:
         with _cond:
             now = time.monotonic()
             due = [(s, s._group) for s in _active.values() if s._due <= now]
-            for s, _ in due:
-                s._due = now + EVERY_S
+            for sampler, _ in due:
+                sampler._due = now + EVERY_S
             if not due:
                 _cond.wait(min((s._due for s in _active.values()), default=now + 3600)
                            - now)
                 continue
         for sampler, group in due:
             sampler._sample(group)
+        # the names would hold the last call sampled (its group, and the memfds of its
+        # ranks' results) while the thread waits, past that call's end
+        del due, sampler, group, _
 
 
 def waited_for(records: Dict[int, Optional[dict]]) -> Optional[int]:
