@@ -79,21 +79,29 @@ class LateSampler:
 
 
 def _run() -> None:
+    # No name here holds a call between samples: the calls due live only inside
+    # _sample_each (a name left bound while the thread waited kept the last call's
+    # group, and the memfds of its ranks' results, past that call's end)
     while True:
-        with _cond:
+        _sample_each(_wait_for_due())
+
+
+def _wait_for_due() -> list:
+    """(sampler, its group) of every call whose next sample is due, once one is."""
+    with _cond:
+        while True:
             now = time.monotonic()
             due = [(s, s._group) for s in _active.values() if s._due <= now]
-            for sampler, _ in due:
-                sampler._due = now + EVERY_S
-            if not due:
-                _cond.wait(min((s._due for s in _active.values()), default=now + 3600)
-                           - now)
-                continue
-        for sampler, group in due:
-            sampler._sample(group)
-        # the names would hold the last call sampled (its group, and the memfds of its
-        # ranks' results) while the thread waits, past that call's end
-        del due, sampler, group, _
+            if due:
+                for sampler, _group in due:
+                    sampler._due = now + EVERY_S
+                return due
+            _cond.wait(min((s._due for s in _active.values()), default=now + 3600) - now)
+
+
+def _sample_each(due: list) -> None:
+    for sampler, group in due:   # outside the lock: each sample asks the ranks
+        sampler._sample(group)
 
 
 def waited_for(records: Dict[int, Optional[dict]]) -> Optional[int]:
