@@ -242,7 +242,7 @@ def test_where_the_ranks_cannot_read_the_recorder_one_line_says_so_and_report_wh
         assert len(said) == 1 and "TORCH_FR_BUFFER_SIZE=0" in said[0], said
         with pytest.raises(RuntimeError, match="TORCH_FR_BUFFER_SIZE=0"):
             w.report()
-        assert w.run(fr_setting) == ["0", "0"]
+        assert w.run(fr_setting) == [("0", None)] * 2
 
 
 def all_reduces_for(seconds):
@@ -255,14 +255,19 @@ def all_reduces_for(seconds):
 
 def fr_setting():
     import os
-    return os.environ.get("TORCH_FR_BUFFER_SIZE")
+    return (os.environ.get("TORCH_FR_BUFFER_SIZE"),
+            os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"))
 
 
 def test_a_rank_without_fr_settings_gets_a_small_buffer_and_one_with_them_keeps_them():
+    # Both names: NCCL's recorder read only the older one before torch 2.7.
     with mplaunch.World(2, backend="gloo", env={"TORCH_FR_DUMP_TEMP_FILE": "/x"}) as w:
-        assert w.run(fr_setting) == [None, None]
+        assert w.run(fr_setting) == [(None, None)] * 2
+    with mplaunch.World(2, backend="gloo",
+                        env={"TORCH_NCCL_TRACE_BUFFER_SIZE": "64"}) as w:
+        assert w.run(fr_setting) == [(None, "64")] * 2
     with mplaunch.World(2, backend="gloo") as w:
-        assert w.run(fr_setting) == ["256", "256"]
+        assert w.run(fr_setting) == [("256", "256")] * 2
 
 
 def test_torch_without_a_recorder_says_the_report_is_off(caplog):

@@ -9,6 +9,12 @@ with a test suite running beside it), so a rank reads it once per call,
 and only for a call that lasted long enough for a straggler to matter (MIN_CALL_S);
 records it already sent, or made before the call began, are left out.
 
+NCCL keeps its own recorder (its records hold CUDA events): read through
+``_dump_nccl_trace`` where torch has it, beside ``_dump_fr_trace`` (gloo's and the other
+backends'), each with its own record ids; a collective is one record whichever dump
+holds it. Found on the first GPU run: ``_dump_fr_trace`` alone read no NCCL collective,
+and the report said it was off for NCCL.
+
 A torch without the recorder's dump, or a rank whose ``TORCH_FR_BUFFER_SIZE=0``: nothing
 is read, and the reason travels instead, for the launching process to say once.
 """
@@ -30,7 +36,13 @@ MIN_CALL_S = 1.0
 # holds 128 steps of a 2-bucket DDP model, more than a straggler needs to be named.
 BUFFER = "256"
 
-_last_id = -1
+# The dumps a rank reads: the backends' shared recorder, and NCCL's own.
+DUMPS = ("_dump_fr_trace", "_dump_nccl_trace")
+# The settings a user may make of the buffer: torch's current name, and NCCL's older
+# one (torch before 2.7 reads only that for NCCL, and records nothing without it).
+SETTINGS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+
+_last_ids: dict = {}   # per dump: the last record id it sent
 _began = 0.0
 _began_ns = 0     # wall clock: a record created before the call is an earlier call's
 _ended_ns = 0
@@ -40,8 +52,10 @@ _asked: Optional[Collectives] = None   # what last_call read, for take(own=True)
 def arm() -> None:
     """At the rank's start, before its code makes a process group: the buffer size,
     unless the rank's environment has any TORCH_FR_* setting (those are kept)."""
-    if not any(name.startswith("TORCH_FR_") for name in os.environ):
-        os.environ["TORCH_FR_BUFFER_SIZE"] = BUFFER
+    if not any(name.startswith("TORCH_FR_") or name.startswith("TORCH_NCCL_TRACE_")
+               for name in os.environ):
+        for name in SETTINGS:
+            os.environ[name] = BUFFER
 
 
 def call_begins() -> None:
@@ -75,33 +89,42 @@ def last_call() -> None:
 
 
 def _read(since_id: bool = True):
-    global _last_id
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return [], None
-    if os.environ.get("TORCH_FR_BUFFER_SIZE", "").strip() == "0":
-        return [], "TORCH_FR_BUFFER_SIZE=0 in the rank's environment"
+    size = next((os.environ[n] for n in SETTINGS if n in os.environ), "").strip()
+    if size == "0":
+        name = next(n for n in SETTINGS if n in os.environ)
+        return [], f"{name}=0 in the rank's environment"
     c10d = getattr(sys.modules.get("torch._C"), "_distributed_c10d", None)
-    dump = getattr(c10d, "_dump_fr_trace", None)
-    if dump is None:
+    dumps = [(n, getattr(c10d, n)) for n in DUMPS if hasattr(c10d, n)]
+    if not dumps:
         return [], "this torch has no Flight Recorder dump (_dump_fr_trace)"
-    try:
-        entries = pickle.loads(dump(True, False, False)).get("entries", [])
-    except Exception as exc:  # noqa: BLE001 - a backend without a recorder
-        return [], f"{type(exc).__name__}: {exc}"[:200]
-    if not entries and sequence_number():
-        return [], (f"this torch's Flight Recorder records no collective of the "
-                    f"{dist.get_backend()} backend")
-    out = []
-    for e in entries:
-        rid = e.get("record_id", -1)
-        if (since_id and rid <= _last_id) or e.get("is_p2p") \
-                or e["time_created_ns"] < _began_ns:
+    out, seen, read_any, why = [], set(), False, None
+    for name, dump in dumps:
+        try:
+            entries = pickle.loads(dump(True, False, False)).get("entries", [])
+        except Exception as exc:  # noqa: BLE001 - a backend without a recorder
+            why = why or f"{type(exc).__name__}: {exc}"[:200]
             continue
-        group = e.get("process_group") or ("?",)
-        out.append((str(group[0]), int(e["collective_seq_id"]),
-                    str(e.get("profiling_name", "?")).split(":")[-1],
-                    int(e["time_created_ns"])))
-    if entries:
-        _last_id = max(_last_id, max(e.get("record_id", -1) for e in entries))
+        read_any = read_any or bool(entries)
+        last = _last_ids.get(name, -1)
+        for e in entries:
+            rid = e.get("record_id", -1)
+            if (since_id and rid <= last) or e.get("is_p2p") \
+                    or e["time_created_ns"] < _began_ns:
+                continue
+            group = e.get("process_group") or ("?",)
+            record = (str(group[0]), int(e["collective_seq_id"]),
+                      str(e.get("profiling_name", "?")).split(":")[-1],
+                      int(e["time_created_ns"]))
+            if record[:2] not in seen:   # one collective, whichever dump holds it
+                seen.add(record[:2])
+                out.append(record)
+        if entries:
+            _last_ids[name] = max(last, max(e.get("record_id", -1) for e in entries))
+    if not read_any and sequence_number():
+        return [], why or (f"this torch's Flight Recorder records no collective of the "
+                           f"{dist.get_backend()} backend")
+    out.sort(key=lambda r: r[3])
     return out, None
