@@ -65,6 +65,24 @@ def _spawned(rank, port):
     dist.destroy_process_group()
 
 
+def _gpu_processes():
+    """What nvidia-smi says holds GPU memory, with each process's command line."""
+    import subprocess
+
+    import psutil
+    seen = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                           "--format=csv,noheader"], capture_output=True, text=True).stdout
+    out = []
+    for line in seen.strip().splitlines():
+        pid = int(line.split(",")[0])
+        try:
+            p = psutil.Process(pid)
+            out.append(f"{line} ppid={p.ppid()} {' '.join(p.cmdline())[:120]}")
+        except psutil.Error:
+            out.append(f"{line} (gone)")
+    return out
+
+
 def _free_port():
     import socket
     with socket.socket() as s:
@@ -143,8 +161,14 @@ def main():
         t0 = time.perf_counter()
     closed = time.perf_counter() - t0
     after = torch.cuda.mem_get_info()[0]
+    holders = _gpu_processes()
+    while torch.cuda.mem_get_info()[0] < during + (6 << 30) and \
+            time.perf_counter() - t0 < 10:
+        time.sleep(0.005)
     out["memory"] = {"held_gib": (free0 - during) / 2**30,
-                     "given_back_gib": (after - during) / 2**30, "close_s": closed}
+                     "given_back_gib": (after - during) / 2**30, "close_s": closed,
+                     "back_after_s": time.perf_counter() - t0,
+                     "holders_at_return": holders}
     print("memory", out["memory"], flush=True)
     if a.json:
         with open(a.json, "w") as f:

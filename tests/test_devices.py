@@ -286,3 +286,36 @@ def test_nvml_lists_gpus_bus_ids_and_mig_devices(monkeypatch):
     assert dv._nvml_gpus() == [Gpu(0, "GPU-1111", "0000:3b:00.0"),
                                Gpu(1, "GPU-2222", "0000:af:00.0", ("MIG-9999",))]
     assert fake.shut
+
+
+# -- GPU memory given back before close() returns (gpumem) -------------------------------
+
+def test_the_wait_for_gpu_memory_ends_when_each_gpu_is_back_or_at_its_bound():
+    from mplaunch._engine import gpumem
+    held = {0: (10 << 30, 8 << 30), 3: (4 << 30, 1 << 30)}   # used before, the ranks' part
+    reads = iter([{0: 10 << 30, 3: 4 << 30}, {0: 2 << 30, 3: 4 << 30},
+                  {0: 2 << 30, 3: (3 << 30) + (1 << 20)}])
+    asked = []
+
+    def used(indices):
+        asked.append(sorted(indices))
+        return next(reads)
+    assert gpumem.wait_given_back(held, used=used, sleep=lambda s: None)
+    assert asked == [[0, 3]] * 3          # read until both GPUs are back, then no more
+    # Never back: False at the bound, not a hang.
+    assert not gpumem.wait_given_back(held, timeout=0.05, used=lambda i: {0: 10 << 30})
+    # Nothing held, or NVML unreadable: at once.
+    assert gpumem.wait_given_back({}, used=lambda i: 1 / 0)
+    assert gpumem.wait_given_back(held, used=lambda i: {})
+
+
+def test_a_machine_without_nvml_reads_nothing_and_is_asked_once():
+    import time
+
+    from mplaunch._engine import gpumem
+    if gpumem._library() is not None:
+        pytest.skip("this machine has NVML: tests/test_gpu_runs.py checks it")
+    t0 = time.perf_counter()
+    for _ in range(1000):
+        assert gpumem.snapshot([1, 2]) == {}
+    assert time.perf_counter() - t0 < 0.5    # cached: no library lookup per close

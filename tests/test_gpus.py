@@ -115,6 +115,14 @@ def test_gpus_per_rank_gives_each_rank_one_entry_of_a_parent_subset(monkeypatch)
 # -- refusals, before any process starts -------------------------------------------------
 
 @pytest.fixture
+def no_driver(monkeypatch):
+    """GPUs as CUDA_VISIBLE_DEVICES alone says, whatever this machine's driver lists
+    (on a GPU machine its real GPUs would decide: found on the first GPU run)."""
+    from mplaunch._engine import devices
+    monkeypatch.setattr(devices, "driver_gpus", lambda *a, **k: None)
+
+
+@pytest.fixture
 def nothing_starts(monkeypatch):
     """Calls that must raise before a server or rank exists."""
     def started(*a, **k):
@@ -144,7 +152,7 @@ def _parent_of(proc):
 
 
 def test_nccl_with_more_ranks_than_gpus_is_refused_with_the_counts(nothing_starts,
-                                                                   monkeypatch):
+                                                                   no_driver, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     for call in (lambda: mplaunch.launch(print, nprocs=2, backend="nccl"),
                  lambda: mplaunch.start(print, nprocs=2, backend="cpu:gloo,cuda:nccl"),
@@ -154,7 +162,8 @@ def test_nccl_with_more_ranks_than_gpus_is_refused_with_the_counts(nothing_start
             call()
 
 
-def test_gpus_with_more_ranks_than_gpus_is_refused(nothing_starts, monkeypatch):
+def test_gpus_with_more_ranks_than_gpus_is_refused(nothing_starts, no_driver,
+                                                    monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(ValueError, match=r"gpus='per-rank'.*3 ranks, but this process "
                                          r"sees 2 GPUs"):
@@ -181,7 +190,7 @@ def test_bad_gpus_cpus_and_backend_values_name_the_argument(nothing_starts):
         mplaunch.launch(print, nprocs=len(os.sched_getaffinity(0)) + 1, cpus="per-rank")
 
 
-def test_nprocs_left_out_is_one_rank_or_one_per_listed_gpu(monkeypatch):
+def test_nprocs_left_out_is_one_rank_or_one_per_listed_gpu(no_driver, monkeypatch):
     assert mplaunch.launch(os.getpid).__len__() == 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
     assert mplaunch.launch(placement, gpus=[2, 0, 1]).__len__() == 3

@@ -348,15 +348,15 @@ class Placement:
 
 def place(nprocs: int, gpus, cpus, backend: Optional[str], environ: Mapping[str, str],
           allowed: Sequence[int], sysfs_root: str = "/sys",
-          driver=driver_gpus) -> Placement:
+          driver=None) -> Placement:
     """The placement of one node's ranks; `driver` is called (once) only when GPUs
-    matter. Raises ValueError, with the counts, for more ranks than GPUs (gpus= given,
+    matter (default: driver_gpus, looked up when called). Raises ValueError, with the counts, for more ranks than GPUs (gpus= given,
     or a CUDA backend) or than CPUs (cpus="per-rank")."""
     listed: Optional[Sequence[Gpu]] = None
     per_rank: Optional[List[str]] = None
     own: Optional[Sequence[str]] = None   # each rank's GPU, where mplaunch knows it
     if gpus is not None or uses_cuda(backend):
-        listed = driver()
+        listed = (driver or driver_gpus)()
         visible = visible_gpus(environ, listed)
         seen = describe_visible(environ, visible)
         per_rank = rank_gpus(gpus, nprocs, visible, seen, environ)

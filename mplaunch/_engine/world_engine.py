@@ -34,7 +34,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from . import servers, signals
+from . import gpumem, servers, signals
 from .attempt import Attempt
 from .nodes import hub as remote, spawner as nodespawner
 from .nodes.plan import NodesPlan
@@ -162,6 +162,8 @@ class Serving:
             return
         self._sampler.end()   # (a call the stop cut short)
         self.fresh = list(range(self.cfg.world_size))
+        # What the ranks hold on this machine's GPUs, freed before this returns (gpumem).
+        held = gpumem.snapshot(attempt.group.pids.values()) if self.hub is None else {}
         try:
             attempt.group.stop()
             attempt.drive()
@@ -169,6 +171,7 @@ class Serving:
             stack.close()            # the group, then the session
             if self.hub is not None and self.hub.broken:
                 self.close_nodes()   # a node is lost: the next call starts a new step
+        gpumem.wait_given_back(held)
 
     # -- a World across nodes ----------------------------------------------------------
     def _nodes_hub(self):

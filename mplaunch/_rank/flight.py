@@ -39,7 +39,8 @@ BUFFER = "256"
 # The dumps a rank reads: the backends' shared recorder, and NCCL's own.
 DUMPS = ("_dump_fr_trace", "_dump_nccl_trace")
 # The settings a user may make of the buffer: torch's current name, and NCCL's older
-# one (torch before 2.7 reads only that for NCCL, and records nothing without it).
+# one, which is the user's to set (torch 2.11 warns in every rank that it is deprecated:
+# found on the first GPU run, where mplaunch set it too).
 SETTINGS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
 _last_ids: dict = {}   # per dump: the last record id it sent
@@ -54,8 +55,7 @@ def arm() -> None:
     unless the rank's environment has any TORCH_FR_* setting (those are kept)."""
     if not any(name.startswith("TORCH_FR_") or name.startswith("TORCH_NCCL_TRACE_")
                for name in os.environ):
-        for name in SETTINGS:
-            os.environ[name] = BUFFER
+        os.environ[SETTINGS[0]] = BUFFER
 
 
 def call_begins() -> None:

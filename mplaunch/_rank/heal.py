@@ -69,8 +69,9 @@ def _release_loop() -> None:
 def _abort_nccl() -> None:
     """NCCL: abort the communicators, which makes a collective (or the stream
     synchronisation) blocked in the main thread return with an error; the group is
-    then destroyed and built again as for gloo. Reasoned about from torch's API, not
-    run: no GPU where this was written.
+    then destroyed and built again as for gloo. Run on one GPU (tests/test_gpu_runs.py:
+    a rank blocked in a kernel, its group aborted, then made again in the same process,
+    the rank kept); a peer blocked in a NCCL collective needs two GPUs, not yet run.
 
     A torch without the abort (torchapi.abort_default_group) gets nothing here: a
     destroy from this thread would not reach the communicators while the main thread's
