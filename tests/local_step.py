@@ -28,13 +28,32 @@ class Local:
         return None
 
     def start(self, launch):
+        return self._step({i: list(self.wrap(i)) if self.wrap else []
+                           for i in range(launch.nnodes)}, launch, self._replace)
+
+    def _replace(self, index, launch, nodes):
+        """A lost node's agent again, on this machine (as the same node, back)."""
+        return self._step({index: list(self.wrap(index)) if self.wrap else []}, launch)
+
+    @staticmethod
+    def _step(prefixes, launch, replace=None):
         from mplaunch._engine.nodes.agents import ProcessStep
-        prefixes = [list(self.wrap(i)) if self.wrap else [] for i in range(launch.nnodes)]
         argv = [sys.executable, __file__, repr(prefixes), *launch.argv]
-        return ProcessStep(subprocess.Popen(argv, env=launch.env, stdin=subprocess.DEVNULL,
-                                            stdout=launch.output, stderr=launch.output,
-                                            start_new_session=True),
-                           f"tests/local_step.py: {launch.nnodes} local agent(s)")
+        proc = subprocess.Popen(argv, env=launch.env, stdin=subprocess.DEVNULL,
+                                stdout=launch.output, stderr=launch.output,
+                                start_new_session=True)
+
+        def cancel(_nodes):
+            """As scancel ends a step: every process of it, stopped ones too (its
+            session's group: the step process and its agents; their servers and ranks
+            end with their agent)."""
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return True
+        return ProcessStep(proc, f"tests/local_step.py: agent(s) of node(s) "
+                                 f"{sorted(prefixes)}", cancel, step_replace=replace)
 
     def node_environ(self, agent_environ):
         return dict(agent_environ)
@@ -50,10 +69,10 @@ def register(name="local", scheduler=Local):
 
 def main():
     import ast
-    prefixes = ast.literal_eval(sys.argv[1])
+    prefixes = ast.literal_eval(sys.argv[1])   # {node index: command prefix}
     argv = sys.argv[2:]
     procs = []
-    for i, prefix in enumerate(prefixes):
+    for i, prefix in prefixes.items():
         env = dict(os.environ, MPLAUNCH_NODE_INDEX=str(i))
         procs.append(subprocess.Popen(prefix + argv, env=env))
 

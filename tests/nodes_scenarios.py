@@ -53,6 +53,9 @@ class Nodes:
     scheduler: str = ""
     # seconds the World's processes may take to be gone once close() returned
     gone_within = 0.0
+    # its step can start a lost node's agent again (Step.replace): a healing World
+    # replaces the node and keeps the others' ranks
+    replaces = False
 
     def options(self, **options):
         """World keyword options for this scheduler's nodes."""
@@ -554,7 +557,9 @@ def test_sigint_to_the_launching_process_interrupts_every_node_and_keeps_the_wor
 
 @scenario
 def test_a_killed_agent_names_its_node_and_the_next_run_starts_a_fresh_step(sched):
-    with sched.world(grace_period=2) as w:
+    # heal=False where the scheduler replaces nodes: that World replaces the lost node
+    # instead (the test below)
+    with sched.world(grace_period=2, **({"heal": False} if sched.replaces else {})) as w:
         assert w.run(count_calls) == [1] * 4
         step, lost = sched.step(w), names(w)[1]
         old = world_processes(w) | sched.step_pids(w)
@@ -574,6 +579,67 @@ def test_a_killed_agent_names_its_node_and_the_next_run_starts_a_fresh_step(sche
         sched.check_up(w)
         check_ranks(sched, w, w.run(whoami))
         assert w.run(allreduce_sum) == [10.0] * 4
+
+
+@scenario
+def test_a_lost_node_costs_only_that_node_its_ranks_start_again_on_a_replacement(sched):
+    if not sched.replaces:
+        pytest.skip(f"scheduler {sched.scheduler!r} cannot replace a node yet")
+    with sched.world(grace_period=2) as w:
+        assert w.run(count_calls) == [1] * 4
+        before = dict(w.pids)
+        lost = world_processes(w) - set(world_processes_of(w, 0))
+        sched.kill_agent(w, 1)
+        with pytest.raises(mplaunch.WorkerError) as info:
+            w.run(count_calls, timeout=60)
+        msg = str(info.value)
+        assert "node 1 (" in msg and "lost" in msg, msg
+        assert "replacement" in msg, msg
+        assert w.fresh_ranks == [2, 3]
+        # node 0's ranks kept their processes and state; node 1's start afresh
+        assert w.run(count_calls) == [3, 3, 1, 1]
+        assert [w.pids[r] for r in (0, 1)] == [before[0], before[1]]
+        assert not {w.pids[2], w.pids[3]} & set(before.values())
+        assert w.run(allreduce_sum) == [10.0] * 4
+        check_ranks(sched, w, w.run(whoami))
+        assert alive(lost, timeout=20) == [], "the lost node's processes remain"
+        held = world_processes(w) | sched.step_pids(w)
+    assert alive(held, timeout=max(sched.gone_within, 10)) == []
+
+
+@scenario
+def test_a_frozen_node_is_lost_between_calls_within_seconds_and_replaced(sched, caplog):
+    if not sched.replaces:
+        pytest.skip(f"scheduler {sched.scheduler!r} cannot replace a node yet")
+    with sched.world(grace_period=2) as w:
+        assert w.run(count_calls) == [1] * 4
+        frozen = w.nodes[1]["agent_pid"]
+        os.kill(frozen, signal.SIGSTOP)     # TCP still answers for it; its agent is mute
+        try:
+            # no call in progress: the World finds out by itself, from the agent's silence
+            end = time.monotonic() + 30
+            while not [r for r in caplog.records if "node 1 (" in r.getMessage()
+                       and "frozen" in r.getMessage()]:
+                assert time.monotonic() < end, "the frozen node was not found lost"
+                time.sleep(0.2)
+            with pytest.raises(mplaunch.WorkerError) as info:
+                w.run(count_calls, timeout=60)
+            assert "node 1 (" in str(info.value), str(info.value)
+            assert w.run(count_calls) == [3, 3, 1, 1]
+            assert w.run(allreduce_sum) == [10.0] * 4
+        finally:
+            os.kill(frozen, signal.SIGCONT)  # back: it finds its connection cut, and ends
+        assert alive({frozen}, timeout=20) == []
+        held = world_processes(w) | sched.step_pids(w)
+    assert alive(held, timeout=max(sched.gone_within, 10)) == []
+
+
+def world_processes_of(w, node) -> set:
+    """Node `node`'s agent and every process below it."""
+    agent = w.nodes[node]["agent_pid"]
+    with contextlib.suppress(psutil.Error):
+        return {agent} | {p.pid for p in psutil.Process(agent).children(recursive=True)}
+    return {agent}
 
 
 # -- fresh ranks: restart(), heal=False, a node's server lost -----------------------------

@@ -81,6 +81,7 @@ class SlurmNodes(nodes_scenarios.Nodes):
     """The nodes of this process's allocation: one srun step of agents per World."""
     scheduler = "slurm"
     gone_within = 10.0
+    replaces = True     # a lost node's agent again, in a step of its own (srun --exclude)
 
     def __init__(self, cluster, alloc):
         self.cluster, self.job = cluster, alloc.job
@@ -100,7 +101,10 @@ class SlurmNodes(nodes_scenarios.Nodes):
         return steps[0][0]
 
     def check_up(self, w):
-        self.step(w)
+        # the World's step, and one more for each node it replaced
+        steps = self.steps()
+        assert steps and all(s[1] == "mplaunch-world" for s in steps), steps
+        assert all(s[0].startswith(f"{self.job}.") for s in steps), steps
 
     def check_closed(self):
         deadline = time.monotonic() + 20        # squeue hears of a step's end late
@@ -127,7 +131,8 @@ class SlurmNodes(nodes_scenarios.Nodes):
             "SLURM_TASK_PID": str(got["pid"])}, (rank, env)
         # in the World's one step of the allocation
         assert env["SLURM_JOB_ID"] == self.job
-        assert f"{self.job}.{env['SLURM_STEP_ID']}" == self.step(w), (rank, env)
+        assert f"{self.job}.{env['SLURM_STEP_ID']}" in [s[0] for s in self.steps()], (
+            rank, env)
         # the job's name as this process sees it, not the step's (mplaunch-world)
         assert env.get("SLURM_JOB_NAME") == os.environ.get("SLURM_JOB_NAME"), env
         assert env["MASTER_ADDR"] == "127.0.0.1"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import signal
 import socket
 import threading
 import time
@@ -54,6 +55,7 @@ class LocalNodes(nodes_scenarios.Nodes):
     """Stand-in nodes: one step process (tests/local_step.py) with an agent per node
     below it, all children of this process."""
     scheduler = "local"
+    replaces = True
 
     def options(self, **options):
         options.setdefault("master_addr", "127.0.0.1")
@@ -86,7 +88,8 @@ class LocalNodes(nodes_scenarios.Nodes):
         return parents.pop()
 
     def step_pids(self, w):
-        return {self.step(w)}
+        # the step, and any replaced node's part-step: each agent's parent
+        return {psutil.Process(a).ppid() for a in nodes_scenarios.agents(w)}
 
     def check_up(self, w):
         step = psutil.Process(self.step(w))
@@ -347,7 +350,7 @@ def test_a_step_that_ends_before_its_agents_join_is_named_with_what_it_printed()
             w.run(count_calls)
     msg = str(info.value)
     assert "ended (exit status 3) before 2 joined" in msg, msg
-    assert "local_step.py: 2 local agent(s)" in msg, msg
+    assert "local_step.py: agent(s) of node(s) [0, 1]" in msg, msg
     assert "node 0 cannot start its agent" in msg and "node 1" in msg, msg
     assert time.monotonic() - begin < 30, "not at once: it waited for the join timeout"
 
@@ -400,3 +403,34 @@ def test_a_rank_starts_where_its_node_can_and_imports_from_the_nodes_path_too():
     missing = RankSpec(**{**spec.__dict__, "cwd": os.path.join(HERE, "not-on-this-node")})
     assert for_this_node(missing, None, "/agent", here).cwd == "/agent"
     assert for_this_node(spec, "/ray/working_dir", "/agent", here).cwd == "/ray/working_dir"
+
+
+class _NoReplacement(local_step.Local):
+    """A scheduler whose replacement for a lost node never comes up (no node free: its
+    part-step ends at once)."""
+
+    def _replace(self, index, launch, nodes):
+        import subprocess
+        from mplaunch._engine.nodes.agents import ProcessStep
+        return ProcessStep(subprocess.Popen(["sh", "-c", "echo no node free >&2; exit 1"],
+                                            stdout=launch.output, stderr=launch.output),
+                           "sh: no node free")
+
+
+def test_a_lost_node_without_a_replacement_says_why_and_the_next_run_starts_afresh():
+    from mplaunch._engine.nodes import schedulers
+    local_step.register("local-no-spare", _NoReplacement)
+    try:
+        with world(scheduler="local-no-spare", grace_period=2) as w:
+            assert w.run(count_calls) == [1] * 4
+            old = nodes_scenarios.world_processes(w)
+            os.kill(w.nodes[1]["agent_pid"], signal.SIGKILL)
+            with pytest.raises(mplaunch.WorkerError) as info:
+                w.run(count_calls, timeout=60)
+            healed = str(info.value.healed)
+            assert "could not be healed" in healed and "node 1 could not be replaced" in \
+                healed and "ended (exit status 1)" in healed, healed
+            assert nodes_scenarios.alive(old, timeout=20) == []
+            assert w.run(count_calls) == [1] * 4      # a fresh step, fresh ranks
+    finally:
+        schedulers.unregister("local-no-spare")

@@ -33,7 +33,7 @@ from .._engine.env import allowed_cpus
 from .._engine.output import read_pipe
 from .._wire import auth, linux, tunnel
 from .._wire.channel import FramedReader
-from .._wire.link import (Bye, Clock, CloseGroup, Closed, Configure, Credit, Drop, Exited,
+from .._wire.link import (BEAT_S, Beat, Bye, Clock, CloseGroup, Closed, Configure, Credit, Drop, Exited,
                           Hello, NotReady, OpenGroup, Output, Payload, RankMessage, Ready,
                           ServerLost, SignalGroups, Signaled, SignalRanks, StackBytes,
                           Started, StartFailed, StartRank, Sweep, Swept, ToRank)
@@ -91,17 +91,22 @@ class Agent:
         self.payloads: Dict[tuple, int] = {}   # key -> memfd (link.Payload)
         self.by_pid: Dict[int, int] = {}
         self.done = False
+        self.beating = False   # from the first group on: its hub watches for silence
 
     # -- the loop --------------------------------------------------------------------
     def serve(self, parent: Optional[int] = None) -> None:
         self.sel.register(self.sock, selectors.EVENT_READ, self._on_front)
         if parent is not None:
             self._watch_parent(parent)
+        beat = 0.0
         while not self.done:
-            for key, _ in self.sel.select():
+            for key, _ in self.sel.select(BEAT_S):
                 key.data(key.fileobj)
                 if self.done:
                     break
+            if self.beating and time.monotonic() - beat >= BEAT_S:
+                beat = time.monotonic()
+                self._send(Beat())
 
     def _watch_parent(self, pid: int) -> None:
         """End with `pid` (the Ray actor that started this agent): Ray kills a dead
@@ -155,6 +160,7 @@ class Agent:
         self._send(Ready(placement.gpus, placement.cpus))
 
     def _open(self, _req: OpenGroup) -> None:
+        self.beating = True
         self.spawner = spawners.for_config(self.cfg, self)
         self.spawner.open(self.sel)
 
@@ -389,19 +395,6 @@ _FRONT = {
 }
 
 
-def connect(addr: str, secret: str, timeout: float = 30.0) -> socket.socket:
-    host, _, port = addr.rpartition(":")
-    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
-    try:
-        auth.prove(sock, secret, server=False, timeout=timeout)
-    except BaseException:
-        sock.close()
-        raise
-    sock.settimeout(None)
-    tunnel.keepalive(sock)
-    return sock
-
-
 def _terminate(signo, _frame) -> None:
     raise SystemExit(128 + signo)
 
@@ -427,7 +420,7 @@ def main() -> int:
     signal.signal(signal.SIGHUP, _terminate)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the launching process decides
     try:
-        sock = connect(addr, secret)
+        sock = auth.connect(addr, secret)
     except (OSError, auth.AuthError) as exc:
         log.error("could not join the World at %s: %s", addr, exc)
         return 1

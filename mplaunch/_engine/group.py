@@ -90,10 +90,6 @@ class RankGroup:
     def pids(self) -> Dict[int, int]:
         return {r.spec.rank: r.pid for r in self.ranks if r.pid is not None}
 
-    def state_of(self, rank: int) -> Optional[RankState]:
-        """The RankState of global rank `rank`, if this group holds it."""
-        return next((r for r in self.ranks if r.spec.rank == rank), None)
-
     # -- starting --------------------------------------------------------------------
     def start(self) -> None:
         """Start every rank; returns once each has a pid."""
@@ -104,10 +100,11 @@ class RankGroup:
         while any(r.pid is None and r.alive for r in self.ranks):   # started, or failed to
             self.spawner.pump()
 
-    def replace(self, index: int, payload_fd: int) -> RankState:
+    def replace(self, index: int, payload_fd: int, spec=None) -> RankState:
         """A fresh process for a dead rank, by the path that started it (a healing World:
-        _engine.world_engine); its first call is the payload in `payload_fd`. The old one's
-        last output is relayed and its fds closed. Returns once it has a pid."""
+        _engine.world_engine; `spec`: on its node's replacement); its first call is the
+        payload in `payload_fd`. The old one's last output is relayed and its fds closed.
+        Returns once it has a pid."""
         old = self.ranks[index]
         relay_pending(old, end_line=False)   # all there is: the writer is dead
         for fileobj in (old.reader.sock, old.out_fd, old.err_fd, old.stack_fd):
@@ -116,6 +113,7 @@ class RankGroup:
         old.close()
         # Its group comes from its first call (a rebuild in key space n with the others),
         # not from the set-up that a spec's backend asks for (key space 0).
+        self._specs[index] = spec or self._specs[index]
         new = RankState(dataclasses.replace(self._specs[index], backend=None))
         self.ranks[index] = new
         self._start_one(new, payload_fd)
@@ -153,13 +151,15 @@ class RankGroup:
             r.max_rss, r.exit_note = max_rss, note
             self._on_exit(r, status)
 
-    def node_lost(self, tokens: Sequence[int], message: str) -> None:
-        """A node is gone with its ranks: their deaths; the whole group torn down."""
+    def node_lost(self, tokens: Sequence[int], message: str, replaced=False) -> None:
+        """A node is gone with its ranks: their deaths; the group torn down unless the
+        node is `replaced` (a healing World's: dead ranks, each replaced)."""
         lost = [self.ranks[t] for t in tokens if self.ranks[t].alive]
         for r in lost:
             r.status, r.exited_at = signal.SIGKILL, time.time()
             self.record(gone_with_node(r, self.attempt, message if r is lost[0] else None))
-        self.stop(signal.SIGTERM)
+        if not (replaced and self.heal):
+            self.stop(signal.SIGTERM)
 
     def start_failed(self, token: int, reason: str) -> None:
         r = self.ranks[token]

@@ -212,3 +212,26 @@ def what_was_kept(replaced: Dict[int, int], backend: Optional[str], released: bo
                     "new_group) must be made again: ddp = "
                     "DistributedDataParallel(module) broadcasts rank 0's parameters")
     return "the world was kept: its ranks and their state; " + "; ".join(said)
+
+
+def disagree(states: list) -> bool:
+    """The ranks' groups are not all at the same collective: the default group's count
+    differs, or a subgroup's between its members (a collective of new_group's or
+    new_subgroups' left half-done, whoever answered the interrupt in time)."""
+    if len({s["seq"] for s in states}) > 1:
+        return True
+    counts: Dict[str, set] = {}
+    for s in states:
+        for name, seq in s.get("subgroups", {}).items():
+            counts.setdefault(name, set()).add(seq)
+    return any(len(seqs) > 1 for seqs in counts.values())
+
+
+def forget_failures(attempt: Attempt) -> None:
+    """The world goes on: the next call starts with nothing failed."""
+    group = attempt.group
+    group.failures = []
+    for r in group.ranks:
+        r.error = None
+    attempt.early = None
+    attempt.signal_received = None

@@ -48,7 +48,7 @@ def error_for(attempt, ending: Ending) -> WorkerError:
     failures = local_failures(group)
     if cfg.log_dir is not None:
         for f in failures:
-            r = group.state_of(f.rank)
+            r = _state_of(group, f.rank)
             name = r.log_name if r is not None else str(f.local_rank)
             write_error_file(os.path.join(cfg.log_dir, f"attempt_{attempt.number}",
                                           name, "error.json"), f)
@@ -80,12 +80,12 @@ def first_error(group: RankGroup, failures: List[RankFailure]):
     raised."""
     if not failures:
         return None
-    r = group.state_of(failures[0].rank)
+    r = _state_of(group, failures[0].rank)
     return r.error if r is not None else None
 
 
 def _stderr_tail(group: RankGroup, rank: int) -> str:
-    r = group.state_of(rank)
+    r = _state_of(group, rank)
     if r is None:
         return ""
     text = r.err.tail_text()
@@ -113,3 +113,8 @@ def _timeout_record(attempt, ending: Ending) -> RankFailure:
     stuck: Optional[int] = min(ending.stacks) if ending.stacks else None
     rank = attempt.group.ranks[0].spec.rank if stuck is None else stuck
     return timeout_failure(rank, attempt.group.attempt, ending.time_limit)
+
+
+def _state_of(group, rank: int):
+    """The RankState of global rank `rank`, if `group` holds it."""
+    return next((r for r in group.ranks if r.spec.rank == rank), None)

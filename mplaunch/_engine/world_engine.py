@@ -39,7 +39,8 @@ from .attempt import Attempt
 from .nodes import hub as remote, spawner as nodespawner
 from .nodes.plan import NodesPlan
 from .config import LaunchConfig, node_user_envs, rank_specs, with_streams
-from .heal import CallDriver, consequences_last, what_was_kept
+from .heal import (CallDriver, consequences_last, disagree, forget_failures,
+                   what_was_kept)
 from .sampling import LateSampler
 from .stragglers import take_records
 from .modwatch import UNFOLLOWED
@@ -93,6 +94,7 @@ class Serving:
         self.cfg = cfg
         self.nodes = nodes
         self.hub = None               # a World across nodes: its agents (_engine.nodes.hub)
+        self._session = None          # the running ranks' Session (its store: their specs)
         self.backend = backend
         self.heal = heal
         self.calls = calls
@@ -142,6 +144,7 @@ class Serving:
             session.wait_server()
             specs = (session.specs(self._generation, serve=True) if self.nodes is None
                      else self._node_specs(session))
+            self._session = session
             attempt = Attempt(cfg, self._generation, specs, session.payload_fd,
                               session.waker, make_spawner=make_spawner)
             self._generation += 1
@@ -182,11 +185,11 @@ class Serving:
         if hub is None:
             plan = self.nodes
             hub = remote.Hub(plan.nnodes, plan.address, self.cfg, plan.gpus, plan.cpus,
-                             plan.scheduler).start()
+                             plan.scheduler, mend=self.heal).start()
             self.hub = hub
         return hub
 
-    def _node_specs(self, session: Session) -> list:
+    def _node_specs(self, session: Session, generation: Optional[int] = None) -> list:
         """Every node's rank specs: each with its node's environment, name and
         placement (what its agent reported)."""
         hosted = session.hosted
@@ -195,7 +198,8 @@ class Serving:
             cfg = dataclasses.replace(
                 self.cfg, node_rank=info.index, gpus=info.gpus, cpus=info.placed_cpus,
                 user_envs=node_user_envs(self.nodes.env, info.index, self.cfg.nprocs))
-            specs += rank_specs(cfg, self._generation, hosted.port, hosted.address,
+            specs += rank_specs(cfg, self._generation if generation is None else
+                                generation, hosted.port, hosted.address,
                                 serve=True, host=info.name,
                                 base=self.nodes.scheduler.node_environ(info.environ))
         return specs
@@ -269,7 +273,7 @@ class Serving:
         consequences_last(group.failures)
         error = (KeyboardInterrupt() if driver.interrupted and not attempt.timed_out
                  else error_for(attempt, attempt.ending))
-        _forget_failures(attempt)
+        forget_failures(attempt)
         kept = self._settle(driver.released)
         if isinstance(error, KeyboardInterrupt):
             error.args = (f"mplaunch.World: the ranks were interrupted; {kept}",)
@@ -340,7 +344,7 @@ class Serving:
             states = self._control(self.calls.group_state, (), live)
             inited = [s for s in states if s["initialized"]]
             if not (dead or released or (inited and len(inited) != len(states))
-                    or _disagree(inited)):
+                    or disagree(inited)):
                 return ("the world was kept: its ranks, their state and their process "
                         "group are as the failed run left them")
             backends = {s["backend"] for s in inited}
@@ -365,13 +369,15 @@ class Serving:
         rank (key space `n`); each live rank's names of stale objects."""
         group = self.attempt.group
         payload = dumps_payload(self.calls.rebuild, (backend, n), {})
+        specs = _moved(self.hub, group, dead,
+                       lambda: self._node_specs(self._session, self.attempt.number))
 
         def send():
             with _payload_fd(payload) as fd:
                 # The fresh ranks first: a fork (start_method="fork") of this process
                 # while its store serves the others' rendezvous could inherit a lock.
                 for i in dead:
-                    group.replace(i, fd)
+                    group.replace(i, fd, specs.get(i))
                 group.call(fd, live)
         return self._wait_replies(max(30.0, self.cfg.grace_period), quiet=True,
                                   send=send)
@@ -394,6 +400,21 @@ class Serving:
         return [r.result for r in ranks]
 
 
+def _moved(hub, group, dead: List[int], specs: Callable[[], list]) -> dict:
+    """Across nodes: the lost nodes among the `dead` ranks' are replaced first (the
+    Hub's mends, begun as each was lost: _engine.nodes.mend); the dead ranks' specs on
+    their new node (from `specs()`, every rank's), by place. NodesError where a lost
+    node has no replacement."""
+    if hub is None:
+        return {}
+    lost = {group.ranks[i].spec.node_rank for i in dead
+            if hub.links[group.ranks[i].spec.node_rank].lost is not None}
+    for index in sorted(lost):
+        hub.install(index, hub.join_timeout)
+    every = specs() if lost else []
+    return {i: every[i] for i in dead if group.ranks[i].spec.node_rank in lost}
+
+
 def _take_notes(group, reply: Reply) -> None:
     """Into `reply`, by rank: the notes `group`'s ranks sent ahead of their answers to
     the calls since the last look (KeptGlobals entries, (kind, name, token, why)): a
@@ -412,19 +433,6 @@ def _take_notes(group, reply: Reply) -> None:
         reply.collectives, reply.flight_off = take_records(group)
 
 
-def _disagree(states: list) -> bool:
-    """The ranks' groups are not all at the same collective: the default group's count
-    differs, or a subgroup's between its members (a collective of new_group's or
-    new_subgroups' left half-done, whoever answered the interrupt in time)."""
-    if len({s["seq"] for s in states}) > 1:
-        return True
-    counts: Dict[str, set] = {}
-    for s in states:
-        for name, seq in s.get("subgroups", {}).items():
-            counts.setdefault(name, set()).add(seq)
-    return any(len(seqs) > 1 for seqs in counts.values())
-
-
 @contextlib.contextmanager
 def _payload_fd(payload: Union[bytes, Payload]) -> Iterator[int]:
     """A memfd holding `payload` for the ranks; closed once they have their copies."""
@@ -433,13 +441,3 @@ def _payload_fd(payload: Union[bytes, Payload]) -> Iterator[int]:
         yield fd
     finally:
         servers.close_fd(fd)
-
-
-def _forget_failures(attempt: Attempt) -> None:
-    """The world goes on: the next call starts with nothing failed."""
-    group = attempt.group
-    group.failures = []
-    for r in group.ranks:
-        r.error = None
-    attempt.early = None
-    attempt.signal_received = None

@@ -17,7 +17,7 @@ import os
 import secrets
 import socket
 
-from .tunnel import recv_exactly
+from .tunnel import keepalive, recv_exactly
 
 SECRET_ENV = "MPLAUNCH_WORLD_SECRET"
 _NONCE = 32
@@ -69,3 +69,18 @@ def prove(sock: socket.socket, secret: str, server: bool, timeout: float = 10.0)
         raise AuthError(f"the peer did not prove itself within {timeout:g} s") from None
     finally:
         sock.settimeout(old)
+
+
+def connect(addr: str, secret: str, timeout: float = 30.0) -> socket.socket:
+    """An agent's connection to the World at `addr` ("host:port", "[v6]:port"), the
+    secret proved both ways; kept alive by TCP."""
+    host, _, port = addr.rpartition(":")
+    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+    try:
+        prove(sock, secret, server=False, timeout=timeout)
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    keepalive(sock)
+    return sock

@@ -196,6 +196,17 @@ class Closed(NamedTuple):
     tag = "closed"
 
 
+# Once a group is open, an agent says it is alive every BEAT_S; a node whose agent says
+# nothing at all for SILENT_S (frozen, cut off: TCP still answers for a stopped process)
+# is lost, between calls too (_engine.nodes.pump).
+BEAT_S = 1.0
+SILENT_S = 10.0
+
+
+class Beat(NamedTuple):
+    tag = "beat"
+
+
 # -- a rank's bytes, either way (raw frames on the wire) -------------------------------
 
 class Output(NamedTuple):

@@ -49,10 +49,14 @@ class ProcessStep:
     the step on every node) when it outlives its connections."""
 
     def __init__(self, proc: subprocess.Popen, command: str,
-                 cancel: Optional[Callable[[Sequence], bool]] = None):
+                 cancel: Optional[Callable[[Sequence], bool]] = None,
+                 step_replace: Optional[Callable] = None):
         self.proc = proc
         self.command = command
         self.cancel = cancel
+        if step_replace is not None:
+            # Its scheduler can start a lost node's agent again (Step.replace).
+            self.replace = step_replace
 
     @property
     def returncode(self) -> Optional[int]:

@@ -25,17 +25,18 @@ import os
 import socket
 import tempfile
 import threading
-import time
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from ..config import LaunchConfig
 from .agents import NodesError, agent_argv, join_addr, listen
-from .joining import Joining, NodeInfo
+from .mend import Mend
+from .joining import NodeInfo, accept
+from .links import Link, clock_offset
 from .payloads import NodePayloads
 from .pump import Pump
 from .schedulers import AgentLaunch, Scheduler, Step
 from ..._wire import auth, tunnel
-from ..._wire.link import (Bye, Clock, Closed, Configure, Exited, NotReady, OpenGroup,
+from ..._wire.link import (Beat, Bye, Closed, Configure, Exited, NotReady, OpenGroup,
                            Output, RankMessage, Ready, ServerLost, Signaled, StackBytes,
                            Started, StartFailed, StartRank, Swept, ToRank)
 from ..._wire.spec import RankSpec
@@ -59,68 +60,6 @@ _REPORTS = {Started: "on_started", Exited: "on_exited", StartFailed: "on_start_f
             Closed: "on_answer"}
 
 
-def _clock_offset(link: "Link", rounds: int = 3) -> int:
-    """How far `link`'s node's wall clock is ahead of this process's, in ns: NTP's
-    estimate (the agent read its clock halfway through the round trip), from the
-    quickest of a few round trips. Only the Flight Recorder's times use it (a straggler
-    report across nodes, _engine.stragglers); a link that fails here is left to the
-    pump, which reports it, so this never raises."""
-    best = None
-    link.sock.settimeout(10.0)
-    try:
-        for _ in range(rounds):
-            sent = time.time_ns()
-            tunnel.send(link.sock, Clock(sent))
-            back = tunnel.recv(link.sock)
-            came = time.time_ns()
-            if isinstance(back, Clock) and (best is None or came - sent < best[0]):
-                best = (came - sent, back.theirs - (sent + came) // 2)
-    except OSError:
-        pass
-    finally:
-        if link.sock.fileno() != -1:
-            link.sock.settimeout(None)
-    return best[1] if best is not None else 0
-
-
-class Link:
-    """The authenticated connection to one node's agent."""
-
-    def __init__(self, sock: socket.socket, info: NodeInfo):
-        self.sock = sock
-        self.info = info
-        self.lock = threading.Lock()      # whole frames from any thread
-        self.lost: Optional[str] = None   # why the connection ended
-        self.signals = 0                  # signal requests sent, and answered (the pump
-        self.acked = 0                    # counts those): a frozen agent answers none
-        self.reading = False              # the pump is reading a frame of it now
-        self.heard = time.monotonic()     # when the pump last read one
-
-    def send(self, record) -> bool:
-        """`record` (_wire.link) to the agent; False if the link is lost."""
-        if self.lost is not None:
-            return False
-        try:
-            with self.lock:
-                tunnel.send(self.sock, record)
-            return True
-        except OSError as exc:
-            self.lost = self.lost or f"its connection failed ({exc})"
-            return False
-
-    def send_signal(self, record) -> Optional[int]:
-        """A signal request (SignalGroups, SignalRanks), counted: its number, which
-        `acked` reaches once the agent answered it; None if the link is lost."""
-        if not self.send(record):
-            return None
-        self.signals += 1
-        return self.signals
-
-    def describe(self) -> str:
-        i = self.info
-        return f"node {i.index} ({i.name})"
-
-
 class Hub:
     """A World's nodes: the step of agents, one authenticated link to each, and the pump
     thread. Lives as long as the World (a heal or a replaced rank reuses it); closed,
@@ -128,7 +67,8 @@ class Hub:
     (schedulers.Scheduler) starts the step; the Hub asks the same of every one."""
 
     def __init__(self, nnodes: int, address: str, cfg: LaunchConfig, gpus, cpus,
-                 scheduler: Scheduler, join_timeout: float = JOIN_TIMEOUT):
+                 scheduler: Scheduler, join_timeout: float = JOIN_TIMEOUT,
+                 mend: bool = False):
         self.nnodes = nnodes
         self.address = address
         self.cfg = cfg
@@ -142,11 +82,34 @@ class Hub:
         self._payloads = NodePayloads()   # which payload each node holds
         self._spawner = None  # the current group's (_engine.nodes.spawner): Hub.report
         self._routes: Dict[type, object] = {}
+        self._parts: list = []   # replacements' (step, node): Step.replace
         self.dropped = 0     # connections dropped at the agent port (each logged)
+        # A healing World's lost nodes are replaced (mend.py): node index -> its Mend.
+        self.mend = mend
+        self.mends: Dict[int, Mend] = {}
+        self.replaced: set = set()     # node indices whose agent a part-step runs now
+        self._secret = ""
+        self._closing = False
+        self._lock = threading.Lock()
+
+    @property
+    def can_mend(self) -> bool:
+        """A lost node is replaced, not the end of the World: a healing World whose
+        scheduler's step can start a node's agent again (Step.replace), while a node
+        still stands."""
+        return (self.mend and not self._closing
+                and callable(getattr(self.step, "replace", None))
+                and any(link.lost is None for link in self.links))
 
     @property
     def broken(self) -> bool:
-        return any(link.lost is not None for link in self.links)
+        """A node is lost and will not be replaced: the World's step ends."""
+        lost = [i for i, link in enumerate(self.links) if link.lost is not None]
+        if not lost:
+            return False
+        return not self.can_mend or any(
+            i in self.mends and self.mends[i].done.is_set()
+            and self.mends[i].link is None for i in lost)
 
     @property
     def nodes(self) -> List[NodeInfo]:
@@ -154,27 +117,24 @@ class Hub:
 
     # -- start -------------------------------------------------------------------------
     def start(self) -> "Hub":
-        secret = auth.new_secret()
+        self._secret = secret = auth.new_secret()
         listener = listen(self.address)
         try:
             port = listener.getsockname()[1]
-            env = dict(os.environ)
-            env[auth.SECRET_ENV] = secret
-            env[tunnel.ADDR_ENV] = join_addr(self.address, port)
-            for name in (tunnel.NODE_ENV, tunnel.NAME_ENV, tunnel.NODE_FROM_ENV):
-                env.pop(name, None)   # this process's own, if it is a node's rank
             self._step_log = tempfile.TemporaryFile(prefix="mplaunch-agents-")
-            self.step = self.scheduler.start(AgentLaunch(
-                tuple(agent_argv()), env, self.nnodes, self._step_log, secret,
-                env[tunnel.ADDR_ENV]))
-            self._accept(listener, secret)
+            self.step = self.scheduler.start(
+                self.agent_launch(self.nnodes, join_addr(self.address, port)))
+            joined = accept(listener, secret, self, range(self.nnodes), self.join_timeout,
+                            self.step, self._step_said)
+            self.links = [Link(*joined[i]) for i in range(self.nnodes)]
             listener.close()    # every agent is in: nobody else gets to connect
             # Whatever fails from here on (a node that cannot place its ranks, an agent
             # that ends, an interrupt while they start their servers) ends the step too.
-            self._configure()
+            self.configure(self.links)
             self._pump = pump = Pump(self)
             self._routes = {Output: pump.output, StackBytes: pump.from_stack,
                             RankMessage: pump.from_rank, Signaled: self._signaled,
+                            Beat: self._beat,
                             **{kind: self.report for kind in _REPORTS}}
             pump.start()
             self.step.watch(self._node_ended)   # a scheduler that learns of a lost node
@@ -183,6 +143,17 @@ class Hub:
             self.close()
             raise
         return self
+
+    def agent_launch(self, nnodes: int, addr: str) -> AgentLaunch:
+        """What a scheduler starts for `nnodes` agents that join at `addr` with this
+        World's secret (the step, or a lost node's replacement: mend.py)."""
+        env = dict(os.environ)
+        env[auth.SECRET_ENV] = self._secret
+        env[tunnel.ADDR_ENV] = addr
+        for name in (tunnel.NODE_ENV, tunnel.NAME_ENV, tunnel.NODE_FROM_ENV):
+            env.pop(name, None)   # this process's own, if it is a node's rank
+        return AgentLaunch(tuple(agent_argv()), env, nnodes, self._step_log,
+                           self._secret, addr)
 
     # -- what the agents say (in the pump's thread) --------------------------------------
     def received(self, link: Link, record) -> None:
@@ -199,6 +170,10 @@ class Hub:
     def _signaled(link: Link, _record: Signaled) -> None:
         link.acked += 1
 
+    @staticmethod
+    def _beat(link: Link, _record: Beat) -> None:
+        link.beating = True   # from now on the pump takes its silence as a lost node
+
     def report(self, link: Link, record) -> None:
         """The one way a report (a record of _REPORTS) reaches the group: the current
         spawner's handler of it, run in the group's thread; with no group, nobody hears."""
@@ -208,9 +183,49 @@ class Hub:
 
     def lose(self, link: Link, why: str) -> None:
         """`link`'s node is lost (its connection ended, or its agent stopped answering):
-        the group hears."""
+        its connection is cut, the group hears, and where the World heals, its
+        replacement begins at once (mend.py)."""
         link.lost = link.lost or why
+        try:
+            link.sock.shutdown(socket.SHUT_RDWR)   # a frozen agent's ranks end with it
+        except OSError:
+            pass
+        self._begin_mend(link)
         self.report(link, LinkLost(link.lost))
+
+    def _begin_mend(self, link: Link) -> None:
+        index = link.info.index
+        with self._lock:
+            if (not self.can_mend or index >= len(self.links)
+                    or self.links[index] is not link or index in self.mends):
+                return
+            log.warning("mplaunch.World: %s was lost (%s); starting a replacement for "
+                        "it: its ranks start again there, the other nodes' ranks keep "
+                        "theirs", link.describe(), link.lost)
+            self.mends[index] = Mend(self, index, self.join_timeout)
+
+    def install(self, index: int, timeout: float) -> Link:
+        """The group asks for lost node `index`'s replacement, to start its ranks there:
+        its Link, in the lost one's place, once it is up (within `timeout`); NodesError
+        saying why not."""
+        if self.links[index].lost is None:
+            return self.links[index]
+        mend = self.mends.get(index)
+        if mend is None:
+            raise NodesError(f"{self.links[index].describe()} was lost and is not "
+                             f"being replaced")
+        link = mend.wait(timeout)
+        with self._lock:
+            self.mends.pop(index, None)
+            self._parts.append((mend.step, link.info))
+            self.replaced.add(index)
+            old, self.links[index] = self.links[index], link
+        old.sock.close()
+        self._payloads.forget(index)
+        self._pump.add_link(link)
+        if self._spawner is not None:
+            link.send(OpenGroup())
+        return link
 
     # -- what the group asks (in its thread; a call, in the pump's) ----------------------
     def open_group(self, spawner) -> None:
@@ -273,53 +288,14 @@ class Hub:
             except OSError:
                 pass
 
-    def _accept(self, listener: socket.socket, secret: str) -> None:
-        """Every agent in, each having proved the secret. Each connection proves itself
-        in a thread of its own (joining.Joining): a client that connects and says
-        nothing holds up nobody but itself."""
-        end = time.monotonic() + self.join_timeout
-        links: Dict[int, Link] = {}
-        joining = Joining(secret, self)
-        listener.settimeout(0.1)
-        try:
-            while len(links) < self.nnodes:
-                if time.monotonic() > end:
-                    raise NodesError(f"{len(links)} of the World's {self.nnodes} node "
-                                     f"agents joined within {self.join_timeout:g} s; "
-                                     f"{self._step_said()}")
-                if self.step.poll() is not None:
-                    raise NodesError(f"the World's step of node agents ended (exit status "
-                                     f"{self.step.returncode}) before {self.nnodes} "
-                                     f"joined; {self._step_said()}")
-                try:
-                    joining.begin(*listener.accept())
-                except socket.timeout:
-                    pass
-                for sock, node in joining.joined():
-                    if node.index in links or not 0 <= node.index < self.nnodes:
-                        sock.close()
-                        raise NodesError(f"two agents (or one out of range) said they "
-                                         f"are node {node.index} of {self.nnodes}: is each "
-                                         f"node given one task? {self._step_said()}")
-                    sock.settimeout(None)
-                    tunnel.keepalive(sock)
-                    links[node.index] = Link(sock, node)
-        except BaseException:
-            for link in links.values():
-                link.sock.close()
-            raise
-        finally:
-            joining.end()
-        self.links = [links[i] for i in range(self.nnodes)]
-
-    def _configure(self) -> None:
+    def configure(self, links: Sequence[Link]) -> None:
         """Send each agent the configuration; each starts its warm server and places its
         node's ranks (GPUs, CPUs: what that node has)."""
         cfg = dataclasses.replace(self.cfg, stdout=None, stderr=None)
         gpus, cpus = self.placement_args
-        for link in self.links:
+        for link in links:
             link.send(Configure(cfg, gpus, cpus))
-        for link in self.links:
+        for link in links:
             link.sock.settimeout(300.0)
             try:
                 ready = tunnel.recv(link.sock)
@@ -336,8 +312,8 @@ class Hub:
                 raise NodesError(f"{link.describe()}'s agent ended while starting; "
                                  f"{self._step_said()}")
             link.info.gpus, link.info.placed_cpus = ready.gpus, ready.cpus
-        for link in self.links:
-            link.info.clock_offset_ns = _clock_offset(link)
+        for link in links:
+            link.info.clock_offset_ns = clock_offset(link)
 
     def _step_said(self) -> str:
         out = self._step_log
@@ -357,8 +333,13 @@ class Hub:
     def close(self, grace: float = 10.0) -> None:
         """End every agent (and so every rank) and the step; idempotent. With a node
         lost, the step is not waited for long: its scheduler ends it (step.end)."""
-        if self.broken:
+        self._closing = True
+        if any(link.lost is not None for link in self.links):
             grace = min(grace, 3.0)
+        with self._lock:
+            mends, self.mends = list(self.mends.values()), {}
+        for mend in mends:
+            mend.cancel(grace)
         for link in self.links:
             link.send(Bye())
         pump, self._pump = self._pump, None
@@ -373,8 +354,12 @@ class Hub:
             link.sock.close()
             link.lost = link.lost or "the World was closed"
         step, self.step = self.step, None
+        parts, self._parts = self._parts, []
         if step is not None:
-            step.end(grace, self.nodes)
+            # Each node with the step that runs its agent now (a replaced node's: its part).
+            step.end(grace, [n for n in self.nodes if n.index not in self.replaced])
+        for part, node in parts:
+            part.end(grace, [node])
         if self._step_log is not None:
             self._step_log.close()
             self._step_log = None

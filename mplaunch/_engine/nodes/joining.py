@@ -13,7 +13,8 @@ import logging
 import queue
 import socket
 import threading
-from typing import Dict, List, Optional
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..._wire import auth, tunnel
 from ..._wire.link import Hello
@@ -114,3 +115,49 @@ class Joining:
             except queue.Empty:
                 return
             self._drop(sock, peer, "it proved itself after the World's agents had joined")
+
+
+def accept(listener: socket.socket, secret: str, hub, want: Sequence[int], timeout: float,
+           step, said: Callable[[], str],
+           cancelled: Callable[[], bool] = lambda: False
+           ) -> Optional[Dict[int, Tuple[socket.socket, NodeInfo]]]:
+    """The agents of nodes `want` in (the World's step's, or a replacement's), each
+    having proved `secret`, by node index; None if `cancelled()` first. Each connection
+    proves itself in a thread of its own (Joining): a client that connects and says
+    nothing holds up nobody but itself. Raises NodesError (from .agents: `error`) for a
+    step that ends first, the timeout, or two agents saying they are one node."""
+    from .agents import NodesError
+    end = time.monotonic() + timeout
+    got: Dict[int, Tuple[socket.socket, NodeInfo]] = {}
+    joining = Joining(secret, hub)
+    listener.settimeout(0.1)
+    try:
+        while len(got) < len(want):
+            if cancelled():
+                return None
+            if time.monotonic() > end:
+                raise NodesError(f"{len(got)} of {len(want)} node agent(s) joined within "
+                                 f"{timeout:g} s; {said()}")
+            if step.poll() is not None:
+                raise NodesError(f"the step of node agents ended (exit status "
+                                 f"{step.returncode}) before {len(want)} joined; {said()}")
+            try:
+                joining.begin(*listener.accept())
+            except socket.timeout:
+                pass
+            for sock, node in joining.joined():
+                if node.index in got or node.index not in want:
+                    sock.close()
+                    raise NodesError(f"two agents (or one out of range) said they are "
+                                     f"node {node.index} of {len(want)}: is each node "
+                                     f"given one task? {said()}")
+                sock.settimeout(None)
+                tunnel.keepalive(sock)
+                got[node.index] = (sock, node)
+    except BaseException:
+        for sock, _ in got.values():
+            sock.close()
+        raise
+    finally:
+        joining.end()
+    return got

@@ -69,6 +69,11 @@ class NodePayloads:
         if held is not None:
             servers.close_fd(held[1])
 
+    def forget(self, node: int) -> None:
+        """Node `node` was replaced: its new agent holds nothing yet."""
+        with self._lock:
+            self._drop(node)
+
     def clear(self) -> None:
         """The group ended: its agents dropped theirs (CloseGroup)."""
         with self._lock:

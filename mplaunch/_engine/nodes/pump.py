@@ -26,7 +26,7 @@ from typing import Dict, List, Sequence
 from .. import servers
 from ..._wire import linux, tunnel
 from ..._wire.channel import FramedReader
-from ..._wire.link import Credit, Output, RankMessage, StackBytes
+from ..._wire.link import BEAT_S, SILENT_S, Credit, Output, RankMessage, StackBytes
 
 log = logging.getLogger("mplaunch")
 __mplaunch_plumbing__ = True
@@ -99,6 +99,12 @@ class Pump:
             self._changes.append(("add", proxy))
         os.write(self._wake_w, b"x")
 
+    def add_link(self, link) -> None:
+        """A replacement node's link (Hub.install): read from now on."""
+        with self._plock:
+            self._changes.append(("link", link))
+        os.write(self._wake_w, b"x")
+
     def drop_proxy(self, token: int) -> None:
         with self._plock:
             proxy = self._proxies.pop(token, None)
@@ -114,9 +120,10 @@ class Pump:
             sel.register(link.sock, selectors.EVENT_READ, ("link", link))
         while not self._stopping:
             try:
-                events = sel.select()
+                events = sel.select(BEAT_S)
             except (OSError, ValueError):
                 return
+            self._check_silent()
             for key, mask in events:
                 kind, obj = key.data
                 try:
@@ -141,7 +148,9 @@ class Pump:
         with self._plock:
             changes, self._changes = self._changes, []
         for what, proxy in changes:
-            if what == "add":
+            if what == "link":
+                self._sel.register(proxy.sock, selectors.EVENT_READ, ("link", proxy))
+            elif what == "add":
                 self._sel.register(proxy.reader.sock, selectors.EVENT_READ, ("res", proxy))
                 self._sel.register(proxy.stack, selectors.EVENT_READ, ("stack", proxy))
             else:
@@ -168,6 +177,8 @@ class Pump:
             self._sel.unregister(reader.sock)
 
     def _on_stack(self, proxy: _Proxy) -> None:
+        if proxy.stack is None:
+            return   # dropped (closed) by a change handled in the same select
         try:
             chunk = proxy.stack.recv(1 << 16)
         except OSError:
@@ -280,6 +291,17 @@ class Pump:
         servers.close_fd(fd)
         setattr(proxy, which, None)
 
+    def _check_silent(self) -> None:
+        """A node whose agent beats (_wire.link.Beat) and has sent nothing for SILENT_S,
+        nor is sending now, is lost: frozen (SIGSTOP, a hung kernel) or cut off, which
+        TCP does not see for minutes."""
+        now = time.monotonic()
+        for link in list(self.hub.links):
+            if (link.beating and link.lost is None and not link.reading
+                    and now - link.heard > SILENT_S):
+                self.hub.lose(link, f"its agent sent nothing for {now - link.heard:.0f} s "
+                                    f"(is the node frozen, or cut off?)")
+
     def _lost(self, link) -> None:
         """A node's connection ended: its ranks' outputs end, and the group hears."""
         with self._plock:
@@ -302,7 +324,7 @@ class Pump:
         with self._plock:
             proxies, self._proxies = list(self._proxies.values()), {}
             # dropped (or added) while the thread was ending: never handled there
-            proxies += [proxy for _what, proxy in self._changes]
+            proxies += [proxy for what, proxy in self._changes if what != "link"]
             self._changes = []
         for proxy in proxies:
             proxy.close()

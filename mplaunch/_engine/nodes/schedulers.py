@@ -64,6 +64,13 @@ class Step(Protocol):
         """End the step: its agents end with their connections, within `grace`
         seconds, else the scheduler ends them. `nodes`: the Hub's NodeInfo."""
 
+    # Optional (a step without it ends the World when a node is lost):
+    #   def replace(self, index: int, launch: AgentLaunch, nodes) -> Step
+    # Start one agent (launch.nnodes == 1) for lost node `index`, on another node that
+    # can take it (or the same one, back), handed `index` as its node index; `nodes`:
+    # the Hub's NodeInfo (the nodes in use, to leave out). Returns the part-step that
+    # runs it, ended as a step is. The Hub does the rest (hub.py, mend.py).
+
 
 @runtime_checkable
 class Scheduler(Protocol):

@@ -121,11 +121,26 @@ class Slurm:
         each agent is told which of SLURM's variables name its node."""
         env = dict(launch.env)
         env[tunnel.NODE_FROM_ENV] = f"{ENV['index']}:{ENV['name']}"
-        argv = srun_argv(launch.nnodes, launch.argv, env)
+        return self._step(srun_argv(launch.nnodes, launch.argv, env), env, launch)
+
+    def _replace(self, index: int, launch: AgentLaunch, nodes: Sequence) -> ProcessStep:
+        """Lost node `index`'s agent again: one task on a node of the allocation that
+        none of the others runs on (a spare, or the lost one if SLURM still has it),
+        told its index (NODE_ENV) and reading its name from SLURM."""
+        env = dict(launch.env)
+        env[tunnel.NODE_ENV] = str(index)
+        env[tunnel.NODE_FROM_ENV] = f":{ENV['name']}"
+        others = sorted({n.name for n in nodes if n.index != index})
+        argv = srun_argv(1, launch.argv, env)
+        if others:
+            argv.insert(1, f"--exclude={','.join(others)}")
+        return self._step(argv, env, launch)
+
+    def _step(self, argv: List[str], env: Dict[str, str], launch: AgentLaunch):
         return ProcessStep(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
                                             stdout=launch.output, stderr=launch.output,
                                             start_new_session=True),
-                           shlex.join(argv), cancel_step)
+                           shlex.join(argv), cancel_step, step_replace=self._replace)
 
     def node_environ(self, agent_environ: Mapping[str, str]) -> Dict[str, str]:
         """The agent's, with the job's name as this process sees it (the step's

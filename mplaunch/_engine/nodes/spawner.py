@@ -49,7 +49,7 @@ class RemoteSpawner:
         self._wake = threading.Lock()   # the pipe's write end, between post() and close()
         self._sel = None
         self._tokens: Dict[int, Link] = {}   # each rank's node
-        self._lost_seen: set = set()
+        self._lost_seen: set = set()   # the links whose loss the group heard
         self._acks: set = set()
         self._exited: set = set()     # tokens whose exit was reported
 
@@ -110,7 +110,7 @@ class RemoteSpawner:
         self.events.start_failed(rec.token, rec.reason)
 
     def on_server_lost(self, link: Link, rec: ServerLost) -> None:
-        self._node_lost(link, rec.why)
+        self._node_lost(link, rec.why, mended=False)   # its agent is there: no mend
 
     def on_link_lost(self, link: Link, rec: LinkLost) -> None:
         self._node_lost(link, f"mplaunch's agent there (pid {link.info.pid}) is gone: "
@@ -120,13 +120,16 @@ class RemoteSpawner:
         """Swept or Closed: a round's answer (_round)."""
         self._acks.add((type(rec), link.info.index))
 
-    def _node_lost(self, link: Link, why: str) -> None:
-        if link.info.index in self._lost_seen:
-            return
-        self._lost_seen.add(link.info.index)
+    def _node_lost(self, link: Link, why: str, mended: bool = True) -> None:
+        if link in self._lost_seen or link is not self.hub.links[link.info.index]:
+            return   # said already, or a link a replacement took the place of
+        self._lost_seen.add(link)
         tokens = [t for t, node in self._tokens.items() if node is link]
+        replaced = mended and self.hub.can_mend
         self.events.node_lost(tokens, f"is gone: its node, {link.describe()}, was lost: "
-                                      f"{why}; every rank there is gone")
+                                      f"{why}; every rank there is gone"
+                                      + ("; a replacement node is on its way" if replaced
+                                         else ""), replaced=replaced)
 
     def _tokens_by_link(self, tokens):
         by: Dict[int, List[int]] = {}

@@ -1,0 +1,148 @@
+"""A lost node costs only that node: rounds of random node loss in one World across
+nodes, each timed from the loss (a node's agent SIGKILLed, as a host that dies takes
+it) to a working World again (the call that finds the loss raises, the next returns),
+with every surviving rank's counter checked (its state kept) and the lost node's
+processes checked gone.
+
+    python bench/node_loss.py                         # the tests' stand-in nodes
+    python bench/node_loss.py --scheduler slurm       # inside a SLURM allocation
+    python bench/node_loss.py --slurm-cluster         # the tests' 2-node SLURM cluster
+    python bench/node_loss.py --rounds 20 --nnodes 3 --nprocs 2 [--json PATH]
+
+Nothing here asserts a timing; the figures go to docs/performance.rst.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import time
+
+import psutil
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+import mplaunch  # noqa: E402
+
+_COUNT = 0
+
+
+def count():
+    global _COUNT
+    _COUNT += 1
+    return _COUNT
+
+
+def allreduce():
+    import torch
+    import torch.distributed as dist
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def below(pid):
+    try:
+        return {pid} | {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return {pid}
+
+
+def gone(pids, timeout=20.0):
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, left = psutil.wait_procs(procs, timeout=timeout)
+    return [p.pid for p in left if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scheduler", default="local")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--nnodes", type=int, default=3)
+    ap.add_argument("--nprocs", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json")
+    ap.add_argument("--slurm-cluster", action="store_true",
+                    help="start the tests' two-node SLURM cluster on this machine "
+                         "(tests/slurm_cluster.py) and run in an allocation of it")
+    a = ap.parse_args()
+    if a.scheduler == "local" and not a.slurm_cluster:
+        __import__("local_step")   # registers the stand-in scheduler (tests/)
+    if a.slurm_cluster:
+        import tempfile
+
+        import slurm_cluster
+        a.scheduler, a.nnodes = "slurm", 2
+        with tempfile.TemporaryDirectory(prefix="bench-slurm-") as root, \
+                slurm_cluster.slurm_cluster(root) as cluster, \
+                cluster.allocation(2) as alloc:
+            for name in [n for n in os.environ if n.startswith("SLURM_")]:
+                del os.environ[name]
+            os.environ.update(alloc.slurm_env)
+            return rounds(a)
+    return rounds(a)
+
+
+def rounds(a):
+    rng = random.Random(a.seed)
+    rows = []
+    size = a.nnodes * a.nprocs
+    with mplaunch.World(a.nprocs, nnodes=a.nnodes, scheduler=a.scheduler,
+                        backend="gloo", master_addr="127.0.0.1", grace_period=2) as w:
+        counts = w.run(count)
+        for i in range(a.rounds):
+            node = rng.randrange(a.nnodes)
+            lost = set()
+            for n in w.nodes:
+                if n["node"] == node:
+                    lost = below(n["agent_pid"])
+                    agent = n["agent_pid"]
+            ranks = range(node * a.nprocs, (node + 1) * a.nprocs)
+            t0 = time.perf_counter()
+            os.kill(agent, signal.SIGKILL)
+            try:
+                w.run(count, timeout=120)
+                raised = False
+            except mplaunch.WorkerError:
+                raised = True
+            new = w.run(count)
+            took = time.perf_counter() - t0
+            expect = [1 if r in ranks else c + (2 if raised else 1)
+                      for r, c in enumerate(counts)]
+            intact = new == expect and w.fresh_ranks == [] and \
+                w.run(allreduce) == [float(size)] * size
+            left = gone(lost)
+            rows.append({"round": i, "node": node, "recovered_s": took, "raised": raised,
+                         "survivors_intact": intact, "left": left})
+            print(f"round {i:2d}: node {node} lost, a working World again in "
+                  f"{took:.2f} s, survivors' state {'intact' if intact else 'LOST'}, "
+                  f"{len(left)} of its processes left", flush=True)
+            counts = w.run(count)
+        held = set()
+        for n in w.nodes:
+            held |= below(n["agent_pid"])
+    left_at_close = gone(held)
+    times = [r["recovered_s"] for r in rows]
+    summary = {"scheduler": a.scheduler, "nnodes": a.nnodes, "nprocs": a.nprocs,
+               "rounds": len(rows), "median_s": statistics.median(times),
+               "max_s": max(times), "intact": sum(r["survivors_intact"] for r in rows),
+               "left_after_rounds": sum(len(r["left"]) for r in rows),
+               "left_at_close": left_at_close}
+    print(json.dumps(summary))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"summary": summary, "rounds": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
