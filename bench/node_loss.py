@@ -7,6 +7,7 @@ processes checked gone.
     python bench/node_loss.py                         # the tests' stand-in nodes
     python bench/node_loss.py --scheduler slurm       # inside a SLURM allocation
     python bench/node_loss.py --slurm-cluster         # the tests' 2-node SLURM cluster
+    python bench/node_loss.py --ray-cluster           # a 3-raylet Ray cluster, World on 2
     python bench/node_loss.py --rounds 20 --nnodes 3 --nprocs 2 [--json PATH]
 
 Nothing here asserts a timing; the figures go to docs/performance.rst.
@@ -75,7 +76,17 @@ def main():
     ap.add_argument("--slurm-cluster", action="store_true",
                     help="start the tests' two-node SLURM cluster on this machine "
                          "(tests/slurm_cluster.py) and run in an allocation of it")
+    ap.add_argument("--ray-cluster", action="store_true",
+                    help="start a three-raylet ray.cluster_utils.Cluster on this machine "
+                         "(tests/ray_cluster.py) and run a World of two nodes on it")
     a = ap.parse_args()
+    if a.ray_cluster:
+        import ray_cluster
+        a.scheduler, a.nnodes = "ray", 2
+        with ray_cluster.two_nodes() as cluster:
+            cluster.add_node(num_cpus=ray_cluster.NODE_CPUS)
+            cluster.wait_for_nodes()
+            return rounds(a)
     if a.scheduler == "local" and not a.slurm_cluster:
         __import__("local_step")   # registers the stand-in scheduler (tests/)
     if a.slurm_cluster:
@@ -97,8 +108,9 @@ def rounds(a):
     rng = random.Random(a.seed)
     rows = []
     size = a.nnodes * a.nprocs
+    where = {} if a.scheduler == "ray" else {"master_addr": "127.0.0.1"}
     with mplaunch.World(a.nprocs, nnodes=a.nnodes, scheduler=a.scheduler,
-                        backend="gloo", master_addr="127.0.0.1", grace_period=2) as w:
+                        backend="gloo", grace_period=2, **where) as w:
         counts = w.run(count)
         for i in range(a.rounds):
             node = rng.randrange(a.nnodes)

@@ -413,6 +413,8 @@ SCHEDULER_NAMERS = {
     "mplaunch._engine.nodes.schedulers": "the registry: the built-in schedulers by name",
     "mplaunch._engine.nodes.slurm_step": "SLURM, as a World's scheduler",
     "mplaunch._engine.nodes.ray_step": "Ray, as a World's scheduler",
+    "mplaunch._engine.nodes.ray_actor": "Ray, as a World's scheduler: what runs on the "
+                                        "cluster (the agent actor) and its checks",
     "mplaunch._engine.tasks.slurm": "launch() as one srun task per node reads its layout "
                                     "from SLURM, and a rank in a step is a task of its own",
     "mplaunch._rank.worker": "a rank's SLURM_TASK_PID is its own pid, known only there",

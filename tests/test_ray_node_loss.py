@@ -1,9 +1,10 @@
 """A node Ray declares lost while mplaunch's own connection to it still works: its
 raylet frozen (SIGSTOP), as a node cut off from the cluster's network looks to the
 head. Ray's health checks find it within seconds (this module's cluster checks every
-0.5 s); the World takes Ray's word at once, names the node, tears down on every node,
-and the next run is placed on the nodes Ray has then. Its own two-node cluster:
-health checks this tight would be a hazard for the other modules' tests."""
+0.5 s); the World takes Ray's word at once and names the node. Without healing it tears
+down on every node, and the next run is placed on the nodes Ray has then; a healing
+World replaces the node on a live one it does not use, the other nodes' ranks kept. Its
+own cluster: health checks this tight would be a hazard for the other modules' tests."""
 from __future__ import annotations
 
 import signal
@@ -56,7 +57,7 @@ def test_a_node_ray_declares_lost_is_named_and_the_world_placed_again(cluster):
     raylet = psutil.Process(worker.all_processes["raylet"][0].process.pid)
     wid = ray_cluster.node_id(worker)
     with mplaunch.World(2, nnodes=2, scheduler="ray", backend="gloo",
-                        grace_period=2) as w:
+                        grace_period=2, heal=False) as w:
         assert w.run(count_calls) == [1] * 4
         names = [n["name"] for n in w.nodes]
         assert wid in names, (wid, names)
@@ -86,3 +87,58 @@ def test_a_node_ray_declares_lost_is_named_and_the_world_placed_again(cluster):
         assert sorted(n["name"] for n in w.nodes) == sorted(
             [n for n in names if n != wid] + [ray_cluster.node_id(spare)])
         assert w.run(allreduce_sum) == [10.0] * 4
+        cluster.remove_node(spare, allow_graceful=False)
+        cluster.add_node(num_cpus=ray_cluster.NODE_CPUS)   # the module's two nodes again
+        cluster.wait_for_nodes()
+
+
+@pytest.mark.parametrize("how", ["frozen raylet", "raylet removed"])
+def test_a_lost_node_is_replaced_on_a_live_node_the_world_does_not_use(cluster, how):
+    """Three raylets, a World on two: one of its nodes (not the driver's) lost, its
+    ranks start again on the third, the other node's ranks keep their state."""
+    spare = cluster.add_node(num_cpus=ray_cluster.NODE_CPUS)
+    cluster.wait_for_nodes()
+    by_id = {ray_cluster.node_id(n): n for n in cluster.worker_nodes}
+    head = ray_cluster.node_id(cluster.head_node)
+    with mplaunch.World(2, nnodes=2, scheduler="ray", backend="gloo",
+                        grace_period=2) as w:
+        assert w.run(count_calls) == [1] * 4
+        names = [n["name"] for n in w.nodes]
+        index = next(i for i, n in enumerate(names) if n != head)
+        victim = by_id[names[index]]
+        kept = [w.pids[r] for r in range(4) if r // 2 != index]
+        raylet = psutil.Process(victim.all_processes["raylet"][0].process.pid)
+        agent = psutil.Process(w.nodes[index]["agent_pid"])
+        begin = time.monotonic()
+        if how == "frozen raylet":
+            raylet.send_signal(signal.SIGSTOP)
+        else:
+            cluster.remove_node(victim, allow_graceful=False)
+        try:
+            # until Ray's verdict (a frozen raylet's node still runs the World's ranks)
+            assert not psutil.wait_procs([agent], timeout=60)[1], "Ray's word not taken"
+            with pytest.raises(mplaunch.WorkerError) as info:
+                w.run(count_calls, timeout=90)
+            took = time.monotonic() - begin
+            msg = str(info.value)
+            assert names[index] in msg and "lost" in msg, msg
+            now = [n["name"] for n in w.nodes]
+            assert len(now) == 2, info.value.healed
+            assert now[index] not in names and now[1 - index] == names[1 - index], now
+            counts = w.run(count_calls)
+            assert [c for r, c in enumerate(counts) if r // 2 != index] == [3, 3]
+            assert [c for r, c in enumerate(counts) if r // 2 == index] == [1, 1]
+            assert [w.pids[r] for r in range(4) if r // 2 != index] == kept
+            assert w.run(allreduce_sum) == [10.0] * 4
+        finally:
+            if how == "frozen raylet":
+                raylet.send_signal(signal.SIGCONT)
+        assert took < 60, f"{took:.1f} s from the loss to a healed World"
+    # the cluster back to two live nodes for the next test
+    for node in list(cluster.worker_nodes):
+        if ray_cluster.node_id(node) not in ray_cluster.node_ids():
+            cluster.remove_node(node, allow_graceful=False)
+    if len(ray_cluster.node_ids()) > 2:
+        cluster.remove_node(spare if spare in cluster.worker_nodes else
+                            list(cluster.worker_nodes)[-1], allow_graceful=False)
+    cluster.wait_for_nodes()

@@ -74,6 +74,7 @@ class RayNodes(nodes_scenarios.Nodes):
     per World, an agent actor in each of its bundles."""
     scheduler = "ray"
     gone_within = 20.0
+    replaces = True    # an actor alone on a live node the World does not use (or the lost one)
 
     def check_names(self, names):
         # keyed by Ray node id: the two raylets share this machine's name and address

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -498,3 +499,40 @@ def test_log_dir_keeps_every_ranks_output_across_nodes(world_options):
     stdout = "".join(text for name, text in files.items() if name.endswith("stdout.log"))
     for rank in range(4):
         assert stdout.count(f"hello from rank {rank}\n") == 1, (rank, files)
+
+
+# -- a spare node of the allocation ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    harness.require_slurm()
+    with harness.slurm_cluster(tmp_path_factory.mktemp("slurm3"), nodes=3) as c:
+        yield c
+
+
+def test_a_lost_node_is_replaced_on_the_allocations_spare_node(three, monkeypatch):
+    """A World of 2 nodes in an allocation of 3 (salloc -N3): node 1 lost, its ranks
+    start again on the third node, not on the lost one (which may be failing), and the
+    ranks on node 0 keep their processes and state."""
+    with three.allocation(3) as alloc:
+        for name in [n for n in os.environ if n.startswith("SLURM_")]:
+            monkeypatch.delenv(name)
+        for name, value in alloc.slurm_env.items():
+            monkeypatch.setenv(name, value)
+        with mplaunch.World(2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+                            grace_period=2) as w:
+            assert w.run(nodes_scenarios.count_calls) == [1] * 4
+            assert [n["name"] for n in w.nodes] == ["n1", "n2"]
+            kept = [w.pids[0], w.pids[1]]
+            os.kill(w.nodes[1]["agent_pid"], signal.SIGKILL)
+            with pytest.raises(mplaunch.WorkerError, match=r"node 1 \(n2\)"):
+                w.run(nodes_scenarios.count_calls, timeout=60)
+            assert [n["name"] for n in w.nodes] == ["n1", "n3"]
+            assert w.run(nodes_scenarios.count_calls) == [3, 3, 1, 1]
+            assert [w.pids[0], w.pids[1]] == kept
+            assert w.run(allreduce_sum) == [10.0] * 4
+            got = w.run(whoami)
+            assert [g["env"]["SLURMD_NODENAME"] for g in got] == ["n1", "n1", "n3", "n3"]
+            assert [g["env"]["SLURM_NODEID"] for g in got] == ["0", "0", "1", "1"]
+            held = world_processes(w)
+        assert alive(held, timeout=20) == []

@@ -204,6 +204,14 @@ class Hub:
                         "theirs", link.describe(), link.lost)
             self.mends[index] = Mend(self, index, self.join_timeout)
 
+    def take_parts(self, index: int) -> list:
+        """The part-steps that ran node `index`'s agents (a Mend ends them before it
+        replaces the node again)."""
+        with self._lock:
+            mine = [p for p, node in self._parts if node.index == index]
+            self._parts = [(p, n) for p, n in self._parts if n.index != index]
+        return mine
+
     def install(self, index: int, timeout: float) -> Link:
         """The group asks for lost node `index`'s replacement, to start its ranks there:
         its Link, in the lost one's place, once it is up (within `timeout`); NodesError
@@ -223,6 +231,7 @@ class Hub:
         old.sock.close()
         self._payloads.forget(index)
         self._pump.add_link(link)
+        mend.step.watch(lambda i, why: self._node_ended(i, why, link))
         if self._spawner is not None:
             link.send(OpenGroup())
         return link
@@ -274,13 +283,14 @@ class Hub:
         """The group ended: its agents dropped theirs (CloseGroup)."""
         self._payloads.clear()
 
-    def _node_ended(self, index: int, why: str) -> None:
-        """The scheduler says node `index`'s agent ended: its link is cut at once, and
-        the pump takes it as a lost node (and the agent, if it is still there, ends with
-        its connection, its ranks with it)."""
-        if not 0 <= index < len(self.links):
+    def _node_ended(self, index: int, why: str, link: Optional[Link] = None) -> None:
+        """The scheduler says node `index`'s agent ended (`link`'s, for a replacement's
+        part-step; the step's own speaks of its first agents, and of a replaced node's
+        only late): its link is cut at once, and the pump takes it as a lost node (and
+        the agent, if it is still there, ends with its connection, its ranks with it)."""
+        if link is None and (index in self.replaced or not 0 <= index < len(self.links)):
             return
-        link = self.links[index]
+        link = link or self.links[index]
         if link.lost is None:
             link.lost = why
             try:

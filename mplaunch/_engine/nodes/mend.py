@@ -42,6 +42,8 @@ class Mend:
         hub = self.hub
         listener = None
         try:
+            for part in hub.take_parts(self.index):   # a replacement lost in its turn
+                part.end(0.0, [])
             listener = listen(hub.address)
             launch = hub.agent_launch(1, join_addr(hub.address,
                                                    listener.getsockname()[1]))

@@ -16,170 +16,19 @@ it in RAY_ADDRESS, which ``ray.init()`` reads.
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
+import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from .agents import AGENT_MODULE, NodesError
+from .agents import NodesError
+from .ray_actor import (_ray, actor_class, bundle_for, check_cluster, connect,
+                        node_short, show)
 from .schedulers import AgentLaunch
-from ..._wire import auth, tunnel
 
 log = logging.getLogger("mplaunch")
 
 PLACE_TIMEOUT = 60.0     # for the cluster to place every bundle
-# The variables torch's launchers and Ray Train set for a rank: never taken from a
-# Ray worker's environment into the World's ranks (each rank gets its own from mplaunch).
-TORCH_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                       "NODE_RANK", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                       "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
-                       "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                       "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
-                       "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
-
-
-def _ray():
-    try:
-        import ray
-    except ImportError:
-        raise ImportError("World(nnodes=..., scheduler='ray') needs Ray on this machine "
-                          "and every node: pip install 'mplaunch[ray]'") from None
-    return ray
-
-
-def connect() -> None:
-    """Connected to a cluster already, or to the one RAY_ADDRESS names; never a new
-    local one started by mistake."""
-    ray = _ray()
-    if ray.is_initialized():
-        return
-    if not os.environ.get("RAY_ADDRESS"):
-        raise RuntimeError(
-            "World(scheduler='ray') runs on the Ray cluster this process is connected "
-            "to, and it is connected to none: call ray.init(address=...) first (on a "
-            "cluster's head node, ray.init(address='auto')), or set RAY_ADDRESS")
-    ray.init(log_to_driver=False, logging_level=logging.WARNING)
-
-
-def node_short(node_id: str) -> str:
-    """A Ray node id as the output prefix and errors show it (its first 8 hex digits:
-    the nodes of one machine share a host name and an address, never an id)."""
-    return node_id[:8]
-
-
-def bundle_for(nprocs: int, gpus, resources: Optional[Dict[str, float]]) -> Dict[str, float]:
-    """What each node's bundle reserves: a CPU per rank, and a GPU per rank where the
-    ranks are placed on GPUs; `resources` (World(ray_resources=)) replaces it."""
-    if resources is not None:
-        return {str(k): float(v) for k, v in resources.items() if v}
-    bundle = {"CPU": float(nprocs)}
-    if gpus is not None:
-        count = nprocs if isinstance(gpus, str) else len(gpus)
-        bundle["GPU"] = float(count)
-    return bundle
-
-
-def check_cluster(nnodes: int, bundle: Dict[str, float]) -> None:
-    """Before anything starts: enough live nodes, each with room for a bundle."""
-    ray = _ray()
-    fits = []
-    alive = [n for n in ray.nodes() if n.get("Alive")]
-    for node in alive:
-        have = node.get("Resources", {})
-        if all(have.get(k, 0.0) >= v for k, v in bundle.items()):
-            fits.append(node)
-    if len(fits) < nnodes:
-        raise ValueError(
-            f"World(nnodes={nnodes}, scheduler='ray') needs {nnodes} nodes with "
-            f"{_show(bundle)} each, and this Ray cluster has {len(fits)} of its "
-            f"{len(alive)} live node(s) that large: ask for fewer nodes or ranks, add "
-            f"nodes, or say what each node's bundle reserves with ray_resources=")
-
-
-def _show(bundle: Dict[str, float]) -> str:
-    return "{" + ", ".join(f"{k}: {v:g}" for k, v in bundle.items()) + "}"
-
-
-def _working_dir() -> Optional[str]:
-    """The runtime_env working_dir of the job this actor runs in, if it has one (Ray
-    then runs the actor, as every task, in that directory's copy on this node)."""
-    try:
-        return _ray().get_runtime_context().runtime_env.get("working_dir") or None
-    except Exception:  # noqa: BLE001 - an older Ray without it
-        return None
-
-
-class NodeAgent:
-    """The actor in one node's bundle (Ray runs it as ``ray.remote(NodeAgent)``)."""
-
-    def __init__(self):
-        self.proc: Optional[subprocess.Popen] = None
-        self.log = None
-
-    def where(self) -> dict:
-        ray = _ray()
-        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}
-
-    def start(self, index: int, name: str, addr: str, secret: str) -> int:
-        """Start this node's agent; the secret goes down its stdin."""
-        env = {k: v for k, v in os.environ.items() if k not in TORCH_LAUNCHER_VARS}
-        env.update({tunnel.NODE_ENV: str(index), tunnel.NAME_ENV: name,
-                    tunnel.ADDR_ENV: addr, tunnel.SECRET_STDIN_ENV: "1",
-                    tunnel.PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
-        if _working_dir():
-            env[tunnel.CWD_ENV] = os.getcwd()   # Ray runs this actor there
-        env.pop(auth.SECRET_ENV, None)
-        self.log = tempfile.TemporaryFile(prefix="mplaunch-agent-")
-        self.proc = subprocess.Popen([sys.executable, "-m", AGENT_MODULE], env=env,
-                                     stdin=subprocess.PIPE, stdout=self.log,
-                                     stderr=subprocess.STDOUT, close_fds=True)
-        try:
-            self.proc.stdin.write(secret.encode() + b"\n")
-            self.proc.stdin.close()
-        except OSError:
-            pass
-        return self.proc.pid
-
-    def wait(self) -> tuple:
-        """(exit status, the end of what the agent printed), once it has ended."""
-        code = self.proc.wait() if self.proc is not None else 0
-        text = ""
-        if self.log is not None:
-            try:
-                self.log.seek(0)
-                text = self.log.read()[-3000:].decode(errors="replace")
-            except (OSError, ValueError):
-                pass
-        return code, text
-
-    def end(self, grace: float) -> None:
-        """The agent ends with its connection; one still there is ended here."""
-        proc = self.proc
-        if proc is None:
-            return
-        for signo, wait in ((None, grace), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            if signo is not None and proc.poll() is None:
-                proc.send_signal(signo)
-            try:
-                proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-
-
-_ACTOR = None
-
-
-def _actor_class():
-    """NodeAgent as a Ray actor class, made once."""
-    global _ACTOR
-    if _ACTOR is None:
-        _ACTOR = _ray().remote(NodeAgent)
-    return _ACTOR
 
 
 class RayStep:
@@ -195,12 +44,13 @@ class RayStep:
         self.names: List[str] = []
         self.waits: List[object] = []
         self.returncode: Optional[int] = None
+        self.indices: List[int] = list(range(nnodes))   # each actor's node index
         self._ending = False
         self._watcher: Optional[threading.Thread] = None
 
     @property
     def command(self) -> str:
-        return (f"Ray placement group of {self.nnodes} bundle(s) {_show(self.bundle)}, "
+        return (f"Ray placement group of {self.nnodes} bundle(s) {show(self.bundle)}, "
                 "STRICT_SPREAD, one mplaunch agent actor in each")
 
     def start(self, addr: str, secret: str, place_timeout: float = PLACE_TIMEOUT) -> None:
@@ -216,7 +66,7 @@ class RayStep:
             raise NodesError(f"the Ray cluster did not place {self.command} within "
                              f"{place_timeout:g} s: it has too few free nodes that large "
                              "(each bundle on a node of its own)")
-        remote_cls = _actor_class()
+        remote_cls = actor_class()
         for i in range(self.nnodes):
             strategy = PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=i,
@@ -250,7 +100,7 @@ class RayStep:
             for ref in done:
                 if self._ending:
                     return
-                i = self.waits.index(ref)
+                i = self.indices[self.waits.index(ref)]
                 try:
                     code, _text = ray.get(ref, timeout=10)
                     why = f"Ray reports its agent ended (exit status {code})"
@@ -278,7 +128,7 @@ class RayStep:
             code, text = ray.get(ref, timeout=10)
         except Exception as exc:  # noqa: BLE001 - the actor or its node died
             code, text = -signal.SIGKILL, f"its actor died: {type(exc).__name__}: {exc}"
-        self._say(f"node {i} ({self.names[i] if i < len(self.names) else '?'}): "
+        self._say(f"node {self.indices[i]} ({self.names[i] if i < len(self.names) else '?'}): "
                   f"agent exit status {code}\n{text.strip()}\n")
         return code
 
@@ -319,6 +169,77 @@ class RayStep:
                 pass
             self.pg = None
         self.waits = []
+
+
+    def replace(self, index: int, launch: AgentLaunch, nodes: Sequence) -> "RayPart":
+        """Lost node `index`'s agent again (schedulers.Step.replace): an actor in the
+        World's placement group's bundle `index`, wherever Ray has that bundle now: on
+        the same node if it is alive (its agent was what died), else on the live node
+        Ray moved the bundle to when it declared the node dead (a node of the cluster
+        that the World does not use and that fits it; an autoscaler's new one), within
+        PLACE_TIMEOUT, else a clear error."""
+        if type(self) is RayStep and index < len(self.actors):
+            try:   # its first actor (its agent gone, it may live on): the bundle freed
+                _ray().kill(self.actors[index], no_restart=True)
+            except Exception:  # noqa: BLE001 - dead already
+                pass
+        part = RayPart(index, self.bundle, launch.output)
+        try:
+            part.start_in(self.pg, launch.address, launch.secret)
+        except BaseException:
+            part.end(0.0)
+            raise
+        return part
+
+
+class RayPart(RayStep):
+    """One agent actor that replaces a lost node's, in that node's bundle of the World's
+    placement group (which the World's step keeps, and removes at its end)."""
+
+    def __init__(self, index: int, bundle: Dict[str, float], output):
+        super().__init__(1, bundle, output)
+        self.indices = [index]
+
+    @property
+    def command(self) -> str:
+        return (f"a Ray actor in bundle {self.indices[0]} {show(self.bundle)} of the "
+                f"World's placement group")
+
+    def start_in(self, pg, addr: str, secret: str, timeout: float = PLACE_TIMEOUT) -> None:
+        """Placed again until it lives: an actor placed in the bundle while Ray still
+        had it on the dying node (the agent's connection ended before Ray's verdict)
+        dies with that node, and the next one goes where Ray moved the bundle."""
+        ray = _ray()
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        index, end, why = self.indices[0], time.monotonic() + timeout, ""
+        while True:
+            actor = actor_class().options(
+                num_cpus=self.bundle.get("CPU", 0.0), num_gpus=self.bundle.get("GPU", 0.0),
+                resources={k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")},
+                max_concurrency=4, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=index,
+                    placement_group_capture_child_tasks=False)).remote()
+            self.actors = [actor]
+            try:
+                where = ray.get(actor.where.remote(),
+                                timeout=max(0.1, end - time.monotonic()))
+                break
+            except Exception as exc:  # noqa: BLE001 - GetTimeoutError, or it died
+                why = type(exc).__name__
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # noqa: BLE001
+                    pass
+            if time.monotonic() >= end:
+                raise NodesError(f"Ray placed no replacement for node {index} within "
+                                 f"{timeout:g} s ({why}): no live node the World does "
+                                 f"not use has {show(self.bundle)} free; add one, or let "
+                                 f"the cluster's autoscaler bring one")
+            time.sleep(0.5)
+        self.names = [node_short(where["node_id"])]
+        ray.get(actor.start.remote(index, self.names[0], addr, secret), timeout=timeout)
+        self.waits = [actor.wait.remote()]
 
 
 def driver_address() -> str:

@@ -124,16 +124,19 @@ class Slurm:
         return self._step(srun_argv(launch.nnodes, launch.argv, env), env, launch)
 
     def _replace(self, index: int, launch: AgentLaunch, nodes: Sequence) -> ProcessStep:
-        """Lost node `index`'s agent again: one task on a node of the allocation that
-        none of the others runs on (a spare, or the lost one if SLURM still has it),
-        told its index (NODE_ENV) and reading its name from SLURM."""
+        """Lost node `index`'s agent again: one task on a spare node of the allocation
+        (one the World does not use), else on the lost node itself if SLURM still has
+        it; told its index (NODE_ENV), reading its name from SLURM."""
         env = dict(launch.env)
         env[tunnel.NODE_ENV] = str(index)
         env[tunnel.NODE_FROM_ENV] = f":{ENV['name']}"
-        others = sorted({n.name for n in nodes if n.index != index})
+        used = {n.name for n in nodes}
+        spare = slurm_nodes_available(os.environ) > len(used)
+        leave_out = sorted(used if spare else used - {n.name for n in nodes
+                                                      if n.index == index})
         argv = srun_argv(1, launch.argv, env)
-        if others:
-            argv.insert(1, f"--exclude={','.join(others)}")
+        if leave_out:
+            argv.insert(1, f"--exclude={','.join(leave_out)}")
         return self._step(argv, env, launch)
 
     def _step(self, argv: List[str], env: Dict[str, str], launch: AgentLaunch):
