@@ -49,7 +49,10 @@ class World:
     ``World(4, nnodes=2)`` has 8 ranks. ``size`` is the World's number of ranks,
     ``nprocs`` the number on each node. ``scheduler="ray"`` places the nodes on the Ray
     cluster this process is connected to instead (see :ref:`world-on-ray`);
-    ``scheduler="slurm"`` names the SLURM allocation.
+    ``scheduler="slurm"`` names the SLURM allocation. A lost node costs only that node:
+    a healing World replaces it and keeps the other nodes' ranks; ``spare_nodes=S``
+    checks before anything starts that the allocation (or cluster) has S nodes more than
+    the World uses, which a lost node's replacement goes to first.
 
     Takes the keyword arguments of :func:`mplaunch.launch` (``timeout`` applies to each
     run), ``gpus=`` and ``cpus=`` included. The ranks start at the first ``run`` (or
@@ -78,6 +81,10 @@ class World:
             raise TypeError(f"heal must be True (keep the ranks through a failed run) or "
                             f"False (tear them down), got {heal!r}")
         self.heal = heal
+        if options.get("spare_nodes") and not heal:
+            raise ValueError("spare_nodes= keeps nodes for a lost node's replacement, "
+                             "which only a healing World makes: leave heal=True, or "
+                             "spare_nodes out")
         self._made_with = (backend, dict(options))   # for restart(nnodes=)
         self.cfg: LaunchConfig
         nodes = None
@@ -88,6 +95,9 @@ class World:
             self.cfg, nodes = plan_nodes(procgroup.setup, nprocs,
                                          1 if nnodes is None else nnodes, backend, options)
         else:
+            if "spare_nodes" in options:
+                raise ValueError("spare_nodes= is for a World across nodes "
+                                 "(World(nprocs, nnodes=N, spare_nodes=S))")
             self.cfg = validate(procgroup.setup, (backend,), nprocs,
                                 dict(options, backend=backend))
             if self.cfg.nnodes > 1:

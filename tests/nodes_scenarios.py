@@ -628,7 +628,10 @@ def test_a_frozen_node_is_lost_between_calls_within_seconds_and_replaced(sched, 
             assert w.run(count_calls) == [3, 3, 1, 1]
             assert w.run(allreduce_sum) == [10.0] * 4
         finally:
-            os.kill(frozen, signal.SIGCONT)  # back: it finds its connection cut, and ends
+            # back: it finds its connection cut, and ends (a scheduler that ends a lost
+            # node's agent itself, as Ray does with its actor, ended it already)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen, signal.SIGCONT)
         assert alive({frozen}, timeout=20) == []
         held = world_processes(w) | sched.step_pids(w)
     assert alive(held, timeout=max(sched.gone_within, 10)) == []

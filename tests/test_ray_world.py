@@ -254,7 +254,9 @@ _id = ray_cluster.node_id
 def test_a_removed_node_names_it_and_the_next_run_places_the_world_again(cluster):
     spare = cluster.add_node(num_cpus=NODE_CPUS, num_gpus=NODE_GPUS)
     cluster.wait_for_nodes()
-    with world(grace_period=2) as w:
+    # heal=False: torn down and placed again (a healing World replaces only the node:
+    # tests/test_ray_node_loss.py)
+    with world(grace_period=2, heal=False) as w:
         assert w.run(count_calls) == [1] * 4
         names = [n["name"] for n in w.nodes]
         spare_id = _id(spare)

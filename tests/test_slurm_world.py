@@ -519,8 +519,8 @@ def test_a_lost_node_is_replaced_on_the_allocations_spare_node(three, monkeypatc
             monkeypatch.delenv(name)
         for name, value in alloc.slurm_env.items():
             monkeypatch.setenv(name, value)
-        with mplaunch.World(2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
-                            grace_period=2) as w:
+        with mplaunch.World(2, nnodes=2, spare_nodes=1, backend="gloo",
+                            master_addr="127.0.0.1", grace_period=2) as w:
             assert w.run(nodes_scenarios.count_calls) == [1] * 4
             assert [n["name"] for n in w.nodes] == ["n1", "n2"]
             kept = [w.pids[0], w.pids[1]]

@@ -434,3 +434,81 @@ def test_a_lost_node_without_a_replacement_says_why_and_the_next_run_starts_afre
             assert w.run(count_calls) == [1] * 4      # a fresh step, fresh ranks
     finally:
         schedulers.unregister("local-no-spare")
+
+
+def test_spare_nodes_is_checked_before_anything_starts(monkeypatch):
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="spare_nodes must be an int >= 0"):
+            world(spare_nodes=bad)
+    with pytest.raises(ValueError, match="only a healing World"):
+        world(spare_nodes=1, heal=False)
+    with pytest.raises(ValueError, match="spare_nodes= is for a World across nodes"):
+        mplaunch.World(2, spare_nodes=1)
+    # a scheduler that counts its nodes is asked for the spares too (SLURM's check)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
+    with pytest.raises(ValueError, match=r"World\(nnodes=2, spare_nodes=1\) needs 3 nodes: "
+                                         r".*has 2 node\(s\)"):
+        mplaunch.World(2, nnodes=2, scheduler="slurm", spare_nodes=1)
+    with world(spare_nodes=0) as w:
+        assert w.nnodes == 2
+
+
+
+def test_restart_after_a_node_was_lost_between_calls_starts_on_its_replacement():
+    with world(grace_period=2) as w:
+        assert w.run(count_calls) == [1] * 4
+        lost = w.nodes[1]["agent_pid"]
+        os.kill(lost, signal.SIGKILL)
+        nodes_scenarios.alive({lost}, timeout=10)
+        w.restart()                        # fresh ranks on purpose: every node's
+        assert w.run(count_calls) == [1] * 4
+        assert w.nodes[1]["agent_pid"] != lost and w.run(allreduce_sum) == [10.0] * 4
+
+
+def test_silence_is_judged_only_while_the_pump_keeps_up_and_the_agent_takes_nothing():
+    """The pump's frozen-node check (_check_silent), on made-up links: a beating link
+    silent past SILENT_S is lost; not one with data waiting, not one still taking in a
+    large frame of ours (its unsent bytes falling), not after the pump itself was held
+    up (a large frame, this process stopped), and not one that has not beaten yet."""
+    from mplaunch._engine.nodes import pump as pump_mod
+    from mplaunch._wire.link import SILENT_S
+
+    class Link:
+        def __init__(self, name, heard, beating=True):
+            self.name, self.heard, self.beating = name, heard, beating
+            self.lost, self.reading, self.unsent, self.sock = None, False, None, name
+
+    class Hub:
+        def __init__(self, links):
+            self.links, self.said = links, []
+
+        def lose(self, link, why):
+            link.lost = why
+            self.said.append(link.name)
+
+    now = 1000.0
+    quiet = now - SILENT_S - 1
+    links = [Link("frozen", quiet), Link("waiting", quiet), Link("taking", quiet),
+             Link("new", quiet, beating=False), Link("fine", now - 0.5)]
+    hub = Hub(links)
+    unsent = {"taking": [4_000_000, 3_000_000]}
+    pump = pump_mod.Pump.__new__(pump_mod.Pump)
+    pump.hub = hub
+    real = pump_mod.linux.unsent_bytes
+    pump_mod.linux.unsent_bytes = lambda sock: (unsent[sock].pop(0) if sock in unsent
+                                                and unsent[sock] else 0)
+    try:
+        links[2].unsent = 5_000_000                    # it took 1 MB since the last look
+        pump._check_silent(now, {id(links[1])}, held_up=False)
+        assert hub.said == ["frozen"]
+        assert links[1].lost is None and links[2].lost is None and links[3].lost is None
+        # held up: a fresh window for every link, even one long silent
+        late = Link("late", quiet)
+        hub.links = [late]
+        pump._check_silent(now, set(), held_up=True)
+        assert late.lost is None and late.heard >= now - 1.0
+        pump._check_silent(now + SILENT_S + 2, set(), held_up=False)
+        assert late.lost is not None
+    finally:
+        pump_mod.linux.unsent_bytes = real

@@ -179,6 +179,12 @@ class Serving:
     # -- a World across nodes ----------------------------------------------------------
     def _nodes_hub(self):
         hub = self.hub
+        if hub is not None and not hub.broken:
+            try:   # a node lost since the last group (restart()): its replacement first
+                for i in [i for i, link in enumerate(hub.links) if link.lost is not None]:
+                    hub.install(i)
+            except remote.NodesError:
+                pass   # broken now: a new step below
         if hub is not None and hub.broken:
             self.close_nodes()
             hub = None
@@ -410,7 +416,7 @@ def _moved(hub, group, dead: List[int], specs: Callable[[], list]) -> dict:
     lost = {group.ranks[i].spec.node_rank for i in dead
             if hub.links[group.ranks[i].spec.node_rank].lost is not None}
     for index in sorted(lost):
-        hub.install(index, hub.join_timeout)
+        hub.install(index)
     every = specs() if lost else []
     return {i: every[i] for i in dead if group.ranks[i].spec.node_rank in lost}
 

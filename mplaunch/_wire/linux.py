@@ -276,3 +276,16 @@ def plain_ip(address) -> str:
     so, and the same peer seen from an AF_INET socket must compare equal."""
     mapped = getattr(address, "ipv4_mapped", None)
     return str(mapped if mapped is not None else address)
+
+
+def unsent_bytes(sock) -> Optional[int]:
+    """Bytes written to a TCP socket that its peer has not acknowledged yet (SIOCOUTQ);
+    None where it cannot be read (a closed socket, another kind)."""
+    import fcntl
+    import struct
+    import termios
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return struct.unpack("i", raw)[0]

@@ -24,12 +24,11 @@ import logging
 import os
 import socket
 import tempfile
-import threading
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from ..config import LaunchConfig
 from .agents import NodesError, agent_argv, join_addr, listen
-from .mend import Mend
+from .mend import Mends
 from .joining import NodeInfo, accept
 from .links import Link, clock_offset
 from .payloads import NodePayloads
@@ -82,34 +81,18 @@ class Hub:
         self._payloads = NodePayloads()   # which payload each node holds
         self._spawner = None  # the current group's (_engine.nodes.spawner): Hub.report
         self._routes: Dict[type, object] = {}
-        self._parts: list = []   # replacements' (step, node): Step.replace
         self.dropped = 0     # connections dropped at the agent port (each logged)
-        # A healing World's lost nodes are replaced (mend.py): node index -> its Mend.
-        self.mend = mend
-        self.mends: Dict[int, Mend] = {}
-        self.replaced: set = set()     # node indices whose agent a part-step runs now
+        self.mends = Mends(self, mend)   # a healing World's lost nodes replaced
         self._secret = ""
-        self._closing = False
-        self._lock = threading.Lock()
 
     @property
     def can_mend(self) -> bool:
-        """A lost node is replaced, not the end of the World: a healing World whose
-        scheduler's step can start a node's agent again (Step.replace), while a node
-        still stands."""
-        return (self.mend and not self._closing
-                and callable(getattr(self.step, "replace", None))
-                and any(link.lost is None for link in self.links))
+        return self.mends.can()
 
     @property
     def broken(self) -> bool:
         """A node is lost and will not be replaced: the World's step ends."""
-        lost = [i for i, link in enumerate(self.links) if link.lost is not None]
-        if not lost:
-            return False
-        return not self.can_mend or any(
-            i in self.mends and self.mends[i].done.is_set()
-            and self.mends[i].link is None for i in lost)
+        return self.mends.broken()
 
     @property
     def nodes(self) -> List[NodeInfo]:
@@ -190,49 +173,25 @@ class Hub:
             link.sock.shutdown(socket.SHUT_RDWR)   # a frozen agent's ranks end with it
         except OSError:
             pass
-        self._begin_mend(link)
+        self.mends.begin(link)
         self.report(link, LinkLost(link.lost))
 
-    def _begin_mend(self, link: Link) -> None:
-        index = link.info.index
-        with self._lock:
-            if (not self.can_mend or index >= len(self.links)
-                    or self.links[index] is not link or index in self.mends):
-                return
-            log.warning("mplaunch.World: %s was lost (%s); starting a replacement for "
-                        "it: its ranks start again there, the other nodes' ranks keep "
-                        "theirs", link.describe(), link.lost)
-            self.mends[index] = Mend(self, index, self.join_timeout)
-
-    def take_parts(self, index: int) -> list:
-        """The part-steps that ran node `index`'s agents (a Mend ends them before it
-        replaces the node again)."""
-        with self._lock:
-            mine = [p for p, node in self._parts if node.index == index]
-            self._parts = [(p, n) for p, n in self._parts if n.index != index]
-        return mine
-
-    def install(self, index: int, timeout: float) -> Link:
+    def install(self, index: int) -> Link:
         """The group asks for lost node `index`'s replacement, to start its ranks there:
-        its Link, in the lost one's place, once it is up (within `timeout`); NodesError
-        saying why not."""
-        if self.links[index].lost is None:
-            return self.links[index]
-        mend = self.mends.get(index)
-        if mend is None:
-            raise NodesError(f"{self.links[index].describe()} was lost and is not "
-                             f"being replaced")
-        link = mend.wait(timeout)
-        with self._lock:
-            self.mends.pop(index, None)
-            self._parts.append((mend.step, link.info))
-            self.replaced.add(index)
-            old, self.links[index] = self.links[index], link
-        old.sock.close()
+        its Link, in the lost one's place, once it is up (mend.py); NodesError saying
+        why there is none. The lost link is closed with the Hub (the pump may still
+        hold it)."""
+        old = self.links[index]
+        if old.lost is None:
+            return old
+        link, part = self.mends.take(index, old)
+        with self.mends.lock:
+            self.links[index] = link
         self._payloads.forget(index)
         self._pump.add_link(link)
-        mend.step.watch(lambda i, why: self._node_ended(i, why, link))
+        part.watch(lambda i, why: self._node_ended(i, why, link))
         if self._spawner is not None:
+            link.beating = False
             link.send(OpenGroup())
         return link
 
@@ -242,6 +201,7 @@ class Hub:
         launch channel, and a node lost already is reported at once."""
         self._spawner = spawner
         for link in self.links:
+            link.beating = False   # until it beats again: it may start a cold server
             link.send(OpenGroup())
         for link in self.links:
             if link.lost is not None:
@@ -288,15 +248,18 @@ class Hub:
         part-step; the step's own speaks of its first agents, and of a replaced node's
         only late): its link is cut at once, and the pump takes it as a lost node (and
         the agent, if it is still there, ends with its connection, its ranks with it)."""
-        if link is None and (index in self.replaced or not 0 <= index < len(self.links)):
-            return
-        link = link or self.links[index]
+        with self.mends.lock:
+            if link is None and (index in self.mends.replaced
+                                 or not 0 <= index < len(self.links)):
+                return
+            link = link or self.links[index]
         if link.lost is None:
             link.lost = why
             try:
                 link.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            self.mends.begin(link)
 
     def configure(self, links: Sequence[Link]) -> None:
         """Send each agent the configuration; each starts its warm server and places its
@@ -343,19 +306,17 @@ class Hub:
     def close(self, grace: float = 10.0) -> None:
         """End every agent (and so every rank) and the step; idempotent. With a node
         lost, the step is not waited for long: its scheduler ends it (step.end)."""
-        self._closing = True
         if any(link.lost is not None for link in self.links):
             grace = min(grace, 3.0)
-        with self._lock:
-            mends, self.mends = list(self.mends.values()), {}
-        for mend in mends:
-            mend.cancel(grace)
+        parts, gone = self.mends.close(grace)
         for link in self.links:
             link.send(Bye())
         pump, self._pump = self._pump, None
         if pump is not None:
             pump.stop()
         self._payloads.clear()
+        for link in gone:
+            link.sock.close()
         for link in self.links:
             try:
                 link.sock.shutdown(socket.SHUT_RDWR)
@@ -364,10 +325,10 @@ class Hub:
             link.sock.close()
             link.lost = link.lost or "the World was closed"
         step, self.step = self.step, None
-        parts, self._parts = self._parts, []
         if step is not None:
             # Each node with the step that runs its agent now (a replaced node's: its part).
-            step.end(grace, [n for n in self.nodes if n.index not in self.replaced])
+            step.end(grace, [n for n in self.nodes
+                             if n.index not in self.mends.replaced])
         for part, node in parts:
             part.end(grace, [node])
         if self._step_log is not None:

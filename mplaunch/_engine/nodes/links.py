@@ -52,6 +52,7 @@ class Link:
         self.reading = False              # the pump is reading a frame of it now
         self.heard = time.monotonic()     # when the pump last read one
         self.beating = False              # it has sent a Beat: silence means it is lost
+        self.unsent: Optional[int] = None  # bytes of ours it had not taken (pump)
 
     def send(self, record) -> bool:
         """`record` (_wire.link) to the agent; False if the link is lost."""

@@ -12,9 +12,10 @@ is usually up. Only for a healing World (heal=True) whose scheduler can replace 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from typing import Optional
+from typing import Dict, List, Optional
 
 from .agents import NodesError, join_addr, listen
 from .joining import accept
@@ -25,69 +26,174 @@ __mplaunch_plumbing__ = True
 
 
 class Mend:
-    """The replacement of node `index`, under way in its thread once made."""
+    """The replacement of node `index`, under way in its thread once made. One at a
+    time per World (`serial`): a second one is placed knowing where the first went."""
 
-    def __init__(self, hub, index: int, timeout: float):
-        self.hub, self.index, self.timeout = hub, index, timeout
+    def __init__(self, mends: "Mends", index: int):
+        self.mends, self.index = mends, index
         self.link = None                 # the replacement's Link, once configured
         self.step = None                 # the scheduler's part-step running its agent
         self.error: Optional[str] = None
         self.done = threading.Event()
-        self._cancelled = False
+        self.cancelled = False
+        self._step_ended = False
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"mplaunch-mend-{index}")
         self._thread.start()
 
     def _run(self) -> None:
-        hub = self.hub
+        mends, hub = self.mends, self.mends.hub
         listener = None
         try:
-            for part in hub.take_parts(self.index):   # a replacement lost in its turn
-                part.end(0.0, [])
-            listener = listen(hub.address)
-            launch = hub.agent_launch(1, join_addr(hub.address,
-                                                   listener.getsockname()[1]))
-            self.step = hub.step.replace(self.index, launch, hub.nodes)
-            joined = accept(listener, launch.secret, hub, [self.index], self.timeout,
-                            self.step, lambda: f"the replacement's step was "
-                                               f"{self.step.command}",
-                            lambda: self._cancelled)
-            if joined is None:
-                return
-            link = Link(*joined[self.index])
-            try:
-                hub.configure([link])
-            except BaseException:
-                link.sock.close()
-                raise
-            if self._cancelled:
-                link.sock.close()
-                return
-            self.link = link
+            for part, node in mends.take_parts(self.index):   # one lost in its turn
+                part.end(0.0, [node])
+            with mends.serial:
+                if self.cancelled:
+                    return
+                listener = listen(hub.address)
+                launch = hub.agent_launch(1, join_addr(hub.address,
+                                                       listener.getsockname()[1]))
+                self.step = hub.step.replace(self.index, launch, mends.in_use(self.index))
+                joined = accept(listener, launch.secret, hub, [self.index],
+                                hub.join_timeout, self.step,
+                                lambda: f"the replacement's step was {self.step.command}",
+                                lambda: self.cancelled)
+                if joined is None:
+                    return
+                link = Link(*joined[self.index])
+                try:
+                    hub.configure([link])
+                except BaseException:
+                    link.sock.close()
+                    raise
+                if self.cancelled:
+                    link.sock.close()
+                    return
+                self.link = link
         except Exception as exc:  # noqa: BLE001 - said when the group asks (wait)
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
             if listener is not None:
                 listener.close()
+            if self.cancelled:
+                self._end_step(0.0)
             self.done.set()
 
-    def wait(self, timeout: float):
-        """The replacement's configured Link; NodesError saying why there is none."""
-        if not self.done.wait(timeout):
-            raise NodesError(f"node {self.index}'s replacement did not join within "
-                             f"{timeout:g} s")
+    def wait(self):
+        """The replacement's configured Link, once the mend ended (each of its steps is
+        bounded: the scheduler's placing, the agent's join, its configuration); a
+        NodesError saying why there is none."""
+        while not self.done.wait(0.2):
+            if self.cancelled:
+                break
         if self.link is None:
             raise NodesError(f"node {self.index} could not be replaced: "
-                             f"{self.error or 'cancelled'}")
+                             f"{self.error or 'the World was closed'}")
         return self.link
 
-    def cancel(self, grace: float = 3.0) -> None:
+    def cancel(self, grace: float) -> None:
         """The World closes: stop waiting, end the part-step (its agent with it)."""
-        self._cancelled = True
+        self.cancelled = True
         if self._thread is not threading.current_thread():
             self._thread.join(5.0)
         link = self.link
         if link is not None and link.sock.fileno() != -1:
             link.sock.close()
-        if self.step is not None:
-            self.step.end(grace, [link.info] if link is not None else [])
+        if self.done.is_set():
+            self._end_step(grace)    # else the thread ends it when it returns
+
+    def _end_step(self, grace: float) -> None:
+        with self.mends.lock:
+            step, ended, self._step_ended = self.step, self._step_ended, True
+        if step is not None and not ended:
+            step.end(grace, [self.link.info] if self.link is not None else [])
+
+
+class Mends:
+    """A World's lost nodes and their replacements (the Hub's): the mends under way, the
+    part-steps that run replaced nodes' agents, and the links they replaced."""
+
+    def __init__(self, hub, enabled: bool):
+        self.hub, self.enabled = hub, enabled
+        self.lock = threading.Lock()
+        self.serial = threading.Lock()
+        self.running: Dict[int, Mend] = {}
+        self.parts: list = []             # (part-step, its node): installed replacements
+        self.gone: List = []              # the links they replaced (closed at close)
+        self.replaced: set = set()        # node indices a part-step runs now
+        self.closing = False
+
+    def can(self) -> bool:
+        """A lost node is replaced, not the end of the World: a healing World whose
+        scheduler's step can start a node's agent again (Step.replace), while a node
+        still stands."""
+        hub = self.hub
+        return (self.enabled and not self.closing
+                and callable(getattr(hub.step, "replace", None))
+                and any(link.lost is None for link in hub.links))
+
+    def mending(self, index: int) -> bool:
+        mend = self.running.get(index)
+        return mend is not None and not (mend.done.is_set() and mend.link is None)
+
+    def broken(self) -> bool:
+        """A node is lost and nothing replaces it (no mend began, or it failed)."""
+        return any(link.lost is not None and not self.mending(i)
+                   for i, link in enumerate(self.hub.links))
+
+    def begin(self, link) -> None:
+        """`link`'s node was lost: its replacement begins at once, where it can."""
+        index = link.info.index
+        with self.lock:
+            if (not self.can() or index >= len(self.hub.links)
+                    or self.hub.links[index] is not link or index in self.running):
+                return
+            log.warning("mplaunch.World: %s was lost (%s); starting a replacement for "
+                        "it: its ranks start again there, the other nodes' ranks keep "
+                        "theirs", link.describe(), link.lost)
+            self.running[index] = Mend(self, index)
+
+    def in_use(self, index: int) -> list:
+        """What a replacement for node `index` must not land on but that node itself:
+        every node of the World (its replacements under way too) with its index, and
+        every node that failed before, as index -1."""
+        with self.lock:
+            nodes = [link.info for link in self.hub.links]
+            nodes += [m.link.info for i, m in self.running.items()
+                      if i != index and m.link is not None]
+            nodes += [dataclasses.replace(link.info, index=-1) for link in self.gone]
+        return nodes
+
+    def take_parts(self, index: int) -> list:
+        """The (part-step, node) that ran node `index`'s agent, to end before it is
+        replaced again."""
+        with self.lock:
+            mine = [(p, n) for p, n in self.parts if n.index == index]
+            self.parts = [(p, n) for p, n in self.parts if n.index != index]
+        return mine
+
+    def take(self, index: int, old):
+        """Lost node `index`'s replacement, once up: its Link and part-step, recorded as
+        installed in place of `old`; NodesError saying why there is none."""
+        mend = self.running.get(index)
+        if mend is None:
+            raise NodesError(f"{old.describe()} was lost and is not being replaced")
+        link = mend.wait()
+        with self.lock:
+            self.running.pop(index, None)
+            self.parts.append((mend.step, link.info))
+            self.replaced.add(index)
+            self.gone.append(old)
+        return link, mend.step
+
+    def close(self, grace: float):
+        """No more mends; those under way cancelled. The part-steps to end and the
+        replaced links to close, for the Hub (once its pump is stopped)."""
+        with self.lock:
+            self.closing = True
+            running, self.running = list(self.running.values()), {}
+            parts, self.parts = self.parts, []
+            gone, self.gone = self.gone, []
+        for mend in running:
+            mend.cancel(grace)
+        return parts, gone

@@ -24,6 +24,7 @@ class NodesPlan:
     cpus: object = None
     scheduler: Optional[schedulers.Scheduler] = None
     env: object = None            # env=: a callable is called for each node's ranks
+    spare_nodes: int = 0          # nodes beyond nnodes that the scheduler must have
 
 
 def plan_nodes(setup: Callable, nprocs, nnodes, backend, options: Dict[str, Any]):
@@ -37,6 +38,10 @@ def plan_nodes(setup: Callable, nprocs, nnodes, backend, options: Dict[str, Any]
     if not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1:
         raise ValueError(f"nnodes must be an int >= 1 (the nodes of this allocation the "
                          f"World spans), got {nnodes!r}")
+    spare = options.pop("spare_nodes", 0)
+    if not isinstance(spare, int) or isinstance(spare, bool) or spare < 0:
+        raise ValueError(f"spare_nodes must be an int >= 0 (nodes the World does not use "
+                         f"until one of its nodes is lost), got {spare!r}")
     for name in ("node_rank", "nnodes"):
         if options.get(name) is not None:
             raise TypeError(f"World(nnodes=...) places its nodes itself; leave {name} out")
@@ -55,7 +60,14 @@ def plan_nodes(setup: Callable, nprocs, nnodes, backend, options: Dict[str, Any]
     gpus, cpus = placement_args(options.get("gpus"), options.get("cpus"))
     if nprocs is None and isinstance(gpus, (list, tuple)):
         nprocs = len(gpus)
-    scheduler.check(nnodes, nprocs, gpus, own)
+    try:
+        # Room for the spares too: a lost node's replacement goes to one of them.
+        scheduler.check(nnodes + spare, nprocs, gpus, own)
+    except ValueError as exc:
+        if not spare:
+            raise
+        raise ValueError(f"World(nnodes={nnodes}, spare_nodes={spare}) needs "
+                         f"{nnodes + spare} nodes: {exc}") from None
     address = (options.pop("master_addr", None) or scheduler.address()
                or _this_host_address())
     if options.get("prefix", DEFAULT_PREFIX) == DEFAULT_PREFIX:
@@ -66,7 +78,8 @@ def plan_nodes(setup: Callable, nprocs, nnodes, backend, options: Dict[str, Any]
                    dict(options, backend=backend, stdin_rank=None, master_addr=address,
                         gpus=None, cpus=None))
     cfg = dataclasses.replace(cfg, nnodes=nnodes, node_rank=0)
-    return cfg, NodesPlan(nnodes, address, gpus, cpus, scheduler, options.get("env"))
+    return cfg, NodesPlan(nnodes, address, gpus, cpus, scheduler, options.get("env"),
+                          spare)
 
 
 def _this_host_address() -> str:

@@ -118,12 +118,17 @@ class Pump:
         sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         for link in self.hub.links:
             sel.register(link.sock, selectors.EVENT_READ, ("link", link))
+        checked = time.monotonic()
         while not self._stopping:
             try:
                 events = sel.select(BEAT_S)
             except (OSError, ValueError):
                 return
-            self._check_silent()
+            # Judged only while this thread keeps up (not after it was held up itself:
+            # a large frame, this process stopped), and not for a link with data waiting.
+            now, waiting = time.monotonic(), {id(k.data[1]) for k, _ in events}
+            self._check_silent(now, waiting, held_up=now - checked > 2 * BEAT_S)
+            checked = now
             for key, mask in events:
                 kind, obj = key.data
                 try:
@@ -291,13 +296,20 @@ class Pump:
         servers.close_fd(fd)
         setattr(proxy, which, None)
 
-    def _check_silent(self) -> None:
+    def _check_silent(self, now: float, waiting: set, held_up: bool) -> None:
         """A node whose agent beats (_wire.link.Beat) and has sent nothing for SILENT_S,
-        nor is sending now, is lost: frozen (SIGSTOP, a hung kernel) or cut off, which
-        TCP does not see for minutes."""
-        now = time.monotonic()
+        nor is sending now, nor being sent to, is lost: frozen (SIGSTOP, a hung kernel)
+        or cut off, which TCP does not see for minutes. After this thread was held up,
+        every link starts a fresh window. An agent that is taking in a large frame of
+        ours (its loop reads it whole, and beats after) is not silent either: the bytes
+        we sent and it has not taken keep falling (a frozen one's stay)."""
         for link in list(self.hub.links):
-            if (link.beating and link.lost is None and not link.reading
+            unsent = linux.unsent_bytes(link.sock)
+            moving = bool(unsent or link.unsent) and unsent != link.unsent
+            link.unsent = unsent
+            if held_up or moving or id(link) in waiting:
+                link.heard = max(link.heard, now - BEAT_S)
+            elif (link.beating and link.lost is None and not link.reading
                     and now - link.heard > SILENT_S):
                 self.hub.lose(link, f"its agent sent nothing for {now - link.heard:.0f} s "
                                     f"(is the node frozen, or cut off?)")

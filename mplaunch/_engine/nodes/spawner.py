@@ -125,7 +125,7 @@ class RemoteSpawner:
             return   # said already, or a link a replacement took the place of
         self._lost_seen.add(link)
         tokens = [t for t, node in self._tokens.items() if node is link]
-        replaced = mended and self.hub.can_mend
+        replaced = mended and self.hub.mends.mending(link.info.index)
         self.events.node_lost(tokens, f"is gone: its node, {link.describe()}, was lost: "
                                       f"{why}; every rank there is gone"
                                       + ("; a replacement node is on its way" if replaced
