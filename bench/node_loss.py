@@ -23,12 +23,12 @@ import statistics
 import sys
 import time
 
-import psutil
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import mplaunch  # noqa: E402
+from nodes_scenarios import alive, world_processes, world_processes_of  # noqa: E402
 
 _COUNT = 0
 
@@ -45,24 +45,6 @@ def allreduce():
     t = torch.ones(1)
     dist.all_reduce(t)
     return t.item()
-
-
-def below(pid):
-    try:
-        return {pid} | {p.pid for p in psutil.Process(pid).children(recursive=True)}
-    except psutil.Error:
-        return {pid}
-
-
-def gone(pids, timeout=20.0):
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    _, left = psutil.wait_procs(procs, timeout=timeout)
-    return [p.pid for p in left if p.status() != psutil.STATUS_ZOMBIE]
 
 
 def main():
@@ -114,11 +96,8 @@ def rounds(a):
         counts = w.run(count)
         for i in range(a.rounds):
             node = rng.randrange(a.nnodes)
-            lost = set()
-            for n in w.nodes:
-                if n["node"] == node:
-                    lost = below(n["agent_pid"])
-                    agent = n["agent_pid"]
+            lost = world_processes_of(w, node)
+            agent = w.nodes[node]["agent_pid"]
             ranks = range(node * a.nprocs, (node + 1) * a.nprocs)
             t0 = time.perf_counter()
             os.kill(agent, signal.SIGKILL)
@@ -133,17 +112,15 @@ def rounds(a):
                       for r, c in enumerate(counts)]
             intact = new == expect and w.fresh_ranks == [] and \
                 w.run(allreduce) == [float(size)] * size
-            left = gone(lost)
+            left = alive(lost, timeout=20)
             rows.append({"round": i, "node": node, "recovered_s": took, "raised": raised,
                          "survivors_intact": intact, "left": left})
             print(f"round {i:2d}: node {node} lost, a working World again in "
                   f"{took:.2f} s, survivors' state {'intact' if intact else 'LOST'}, "
                   f"{len(left)} of its processes left", flush=True)
             counts = w.run(count)
-        held = set()
-        for n in w.nodes:
-            held |= below(n["agent_pid"])
-    left_at_close = gone(held)
+        held = world_processes(w)
+    left_at_close = alive(held, timeout=20)
     times = [r["recovered_s"] for r in rows]
     summary = {"scheduler": a.scheduler, "nnodes": a.nnodes, "nprocs": a.nprocs,
                "rounds": len(rows), "median_s": statistics.median(times),
