@@ -181,8 +181,7 @@ class Serving:
         hub = self.hub
         if hub is not None and not hub.broken:
             try:   # a node lost since the last group (restart()): its replacement first
-                for i in [i for i, link in enumerate(hub.links) if link.lost is not None]:
-                    hub.install(i)
+                hub.install_lost()
             except remote.NodesError:
                 pass   # broken now: a new step below
         if hub is not None and hub.broken:
@@ -413,10 +412,7 @@ def _moved(hub, group, dead: List[int], specs: Callable[[], list]) -> dict:
     node has no replacement."""
     if hub is None:
         return {}
-    lost = {group.ranks[i].spec.node_rank for i in dead
-            if hub.links[group.ranks[i].spec.node_rank].lost is not None}
-    for index in sorted(lost):
-        hub.install(index)
+    lost = hub.install_lost({group.ranks[i].spec.node_rank for i in dead})
     every = specs() if lost else []
     return {i: every[i] for i in dead if group.ranks[i].spec.node_rank in lost}
 

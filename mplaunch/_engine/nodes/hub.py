@@ -176,6 +176,15 @@ class Hub:
         self.mends.begin(link)
         self.report(link, LinkLost(link.lost))
 
+    def install_lost(self, only=None) -> List[int]:
+        """Every lost node's replacement (of the nodes `only`, if given) installed in its
+        place (install); their indices."""
+        lost = [i for i, link in enumerate(self.links)
+                if link.lost is not None and (only is None or i in only)]
+        for index in lost:
+            self.install(index)
+        return lost
+
     def install(self, index: int) -> Link:
         """The group asks for lost node `index`'s replacement, to start its ranks there:
         its Link, in the lost one's place, once it is up (mend.py); NodesError saying
