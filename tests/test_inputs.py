@@ -99,8 +99,14 @@ def touched_under_barrier(data):
     total = _touch(data)
     dist.barrier()
     after = rollup()
+    mapped = payload_mappings()
     dist.barrier()      # nobody unmaps before all have measured
-    return total, {k: after[k] - before[k] for k in ("USS", "Pss", "Anonymous")}
+    grown = {k: after[k] - before[k] for k in ("USS", "Pss", "Anonymous")}
+    # the payload's own mappings: pages this rank alone maps, and pages it copied
+    grown["payload_private"] = sum(m["Private_Clean"] + m["Private_Dirty"] for m in mapped)
+    grown["payload_copied"] = sum(m["Anonymous"] for m in mapped)
+    grown["payload_rss"] = sum(m["Rss"] for m in mapped)
+    return total, grown
 
 
 # -- the memory, in real ranks ----------------------------------------------------------
@@ -151,7 +157,16 @@ def test_every_start_method_maps_one_copy(start_method):
                               start_method=start_method)
     for total, grown in results:
         assert total == pytest.approx(float(t.sum()))
-        assert grown["USS"] < 8 * MiB and grown["Anonymous"] < 8 * MiB, grown
+        # every rank maps the whole payload, copies none of it, and holds none of it alone
+        assert grown["payload_rss"] >= 64 * MiB, grown
+        assert grown["payload_copied"] < MiB and grown["payload_private"] < MiB, grown
+        assert grown["Anonymous"] < 8 * MiB, grown
+        if start_method != "fork":
+            # A forked rank shares the caller's whole heap, and its garbage collector
+            # writes the header of every object it walks there: its USS grows by pages it
+            # copied that are not the input's (seen in CI: 16 MiB, none of it Anonymous
+            # growth). The payload's own figures above are what this test is about.
+            assert grown["USS"] < 8 * MiB, grown
 
 
 def dataloader_workers(data):
