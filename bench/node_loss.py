@@ -9,6 +9,13 @@ processes checked gone.
     python bench/node_loss.py --slurm-cluster         # the tests' 2-node SLURM cluster
     python bench/node_loss.py --ray-cluster           # a 3-raylet Ray cluster, World on 2
     python bench/node_loss.py --rounds 20 --nnodes 3 --nprocs 2 [--json PATH]
+    python bench/node_loss.py --go-on                 # no spare: restart(nnodes=M)
+
+--go-on: the stand-in scheduler with no node to replace a lost one (tests/local_step.py
+NoSpare); each round a fresh World, one random node's agent SIGKILLed, timed from the
+loss to a working World on the nodes left (the call that finds the loss raises,
+restart(nnodes=M) goes on, the next call returns), every survivor's counter checked and
+the ranks checked renumbered 0..M*nprocs-1.
 
 Nothing here asserts a timing; the figures go to docs/performance.rst.
 """
@@ -55,6 +62,8 @@ def main():
     ap.add_argument("--nprocs", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
+    ap.add_argument("--go-on", action="store_true",
+                    help="no spare node: each round goes on with the nodes left")
     ap.add_argument("--slurm-cluster", action="store_true",
                     help="start the tests' two-node SLURM cluster on this machine "
                          "(tests/slurm_cluster.py) and run in an allocation of it")
@@ -70,7 +79,11 @@ def main():
             cluster.wait_for_nodes()
             return rounds(a)
     if a.scheduler == "local" and not a.slurm_cluster:
-        __import__("local_step")   # registers the stand-in scheduler (tests/)
+        local_step = __import__("local_step")   # registers the stand-in scheduler (tests/)
+        if a.go_on:
+            local_step.register("local-no-spare", local_step.NoSpare)
+            a.scheduler = "local-no-spare"
+            return rounds_going_on(a)
     if a.slurm_cluster:
         import tempfile
 
@@ -84,6 +97,55 @@ def main():
             os.environ.update(alloc.slurm_env)
             return rounds(a)
     return rounds(a)
+
+
+def rank_of():
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def rounds_going_on(a):
+    rng = random.Random(a.seed)
+    rows = []
+    for i in range(a.rounds):
+        with mplaunch.World(a.nprocs, nnodes=a.nnodes, scheduler=a.scheduler,
+                            backend="gloo", grace_period=2, master_addr="127.0.0.1") as w:
+            w.run(count)
+            counts = w.run(count)
+            node = rng.randrange(a.nnodes)
+            lost = world_processes_of(w, node)
+            kept = [c for r, c in enumerate(counts) if r // a.nprocs != node]
+            t0 = time.perf_counter()
+            os.kill(w.nodes[node]["agent_pid"], signal.SIGKILL)
+            try:
+                w.run(count, timeout=120)
+                raised = False
+            except mplaunch.WorkerError:
+                raised = True
+            w.restart(nnodes=a.nnodes - 1)
+            new = w.run(count)
+            took = time.perf_counter() - t0
+            size = (a.nnodes - 1) * a.nprocs
+            intact = (new == [c + (2 if raised else 1) for c in kept]
+                      and w.run(rank_of) == [(r, size) for r in range(size)]
+                      and w.run(allreduce) == [float(size)] * size)
+            left = alive(lost, timeout=20)
+            held = world_processes(w)
+        left_at_close = alive(held, timeout=20)
+        rows.append({"round": i, "node": node, "recovered_s": took, "raised": raised,
+                     "survivors_intact": intact, "left": left + left_at_close})
+        print(f"round {i:2d}: node {node} lost, going on with {a.nnodes - 1} node(s) in "
+              f"{took:.2f} s, survivors' state {'intact' if intact else 'LOST'}, "
+              f"{len(left) + len(left_at_close)} process(es) left", flush=True)
+    times = [r["recovered_s"] for r in rows]
+    summary = {"scheduler": a.scheduler, "mode": "go-on", "nnodes": a.nnodes,
+               "nprocs": a.nprocs, "rounds": len(rows),
+               "median_s": statistics.median(times), "max_s": max(times),
+               "intact": sum(r["survivors_intact"] for r in rows),
+               "left": sum(len(r["left"]) for r in rows)}
+    print(json.dumps(summary))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"summary": summary, "rounds": rows}, f, indent=1)
 
 
 def rounds(a):

@@ -13,11 +13,13 @@ run is belongs to the engine, and the ranks follow the reloads with the call.
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVar
 
 from ._engine.config import LaunchConfig, check_call, seconds, validate
 from ._engine.modwatch import ModuleWatch
+from ._engine.nodes import going_on
 from ._engine.nodes.plan import plan_nodes
 from ._engine.world_engine import RankCalls, Serving
 from ._rank import heal, procgroup
@@ -29,8 +31,10 @@ from ._rank.flight import last_call
 from ._world_notes import answer, first_raised, stragglers
 
 T = TypeVar("T")
+log = logging.getLogger("mplaunch")
 # mplaunch's own calls in the ranks, sent by reference to the rank's side
-_CALLS = RankCalls(setup=procgroup.setup, group_state=heal.group_state, rebuild=heal.rebuild)
+_CALLS = RankCalls(setup=procgroup.setup, group_state=heal.group_state, rebuild=heal.rebuild,
+                   renumber=heal.renumber)
 
 # Strong references: a World nobody refers to any more is still open (its ranks, pipes and
 # store are up) and must be closed at exit. With weak ones, a world made in a function
@@ -159,13 +163,14 @@ class World:
         as its agent placed them (None: not placed), the CPUs the agent may use, its
         CUDA_VISIBLE_DEVICES, and ``"payloads"``: how many payloads (a run's function
         and arguments, sent to a node once for all its ranks) were sent to it so far
-        ([] before the first run; one node: [])."""
+        ([] before the first run; one node: []), and ``"lost"``: why the node was lost
+        (None while it is not; see :ref:`lost-node`)."""
         return [{"node": i.index, "name": i.name, "agent_pid": i.pid, "gpus": i.gpus,
                  "cpus": i.placed_cpus, "allowed": i.cpus,
                  "environ": {k: v for k, v in i.environ.items()
                              if k == "CUDA_VISIBLE_DEVICES"},
-                 "payloads": getattr(i, "payloads", 0)}
-                for i in self._engine.nodes_info]
+                 "payloads": getattr(i, "payloads", 0), "lost": lost}
+                for i, lost in self._engine.nodes_info]
 
     def report(self):
         """Who the others waited for in the last run: per rank, how often it started a
@@ -271,24 +276,34 @@ class World:
     def restart(self, nnodes: Optional[int] = None,
                 nprocs: Optional[int] = None) -> "World":
         """End the ranks and start fresh ones. Across nodes, ``nnodes=M`` re-forms the
-        World on M nodes in a new step, with ``nprocs`` ranks on each (default: as many
-        as each node had): after a node was lost in an allocation made with
-        ``--no-kill``, the nodes that remain (see :ref:`world-across-nodes`)."""
+        World on M nodes, with ``nprocs`` ranks on each (default: as many as each node
+        had). Where a node was lost and could not be replaced, and M is the number of
+        nodes left, the World goes on with the ranks that are up: their processes and
+        state are kept, and they are renumbered 0..M*nprocs-1 in their order (the
+        failed call's error says so; see :ref:`lost-node`). Otherwise it starts fresh
+        ranks on M nodes in a new step."""
         with self._lock:
-            self._engine.stop()
             if nnodes is not None or nprocs is not None:
-                self._reform(nnodes if nnodes is not None else self.nnodes, nprocs)
+                cfg, plan = self._plan(nnodes if nnodes is not None else self.nnodes,
+                                       nprocs)
+                if going_on.can(self._engine, cfg.nnodes, cfg.nprocs):
+                    log.warning("%s", going_on.go_on(self._engine, cfg, plan))
+                    self.cfg = cfg
+                    return self
+                self._engine.stop()
+                self._engine.reform(cfg, plan)
+                self.cfg = cfg
+            else:
+                self._engine.stop()
             return self.start()
 
-    def _reform(self, nnodes: int, nprocs: Optional[int]) -> None:
+    def _plan(self, nnodes: int, nprocs: Optional[int]):
         if self._engine.nodes is None:
             raise ValueError("restart(nnodes=, nprocs=) re-forms a World across nodes; "
                              "make a new World to change a one-node World's size")
         backend, options = self._made_with
         per_node = nprocs if nprocs is not None else self.nprocs
-        cfg, plan = plan_nodes(procgroup.setup, per_node, nnodes, backend, options)
-        self._engine.reform(cfg, plan)
-        self.cfg = cfg
+        return plan_nodes(procgroup.setup, per_node, nnodes, backend, options)
 
     def close(self) -> None:
         """End every rank and release the store's port. Idempotent; from another thread

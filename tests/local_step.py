@@ -59,6 +59,17 @@ class Local:
         return dict(agent_environ)
 
 
+class NoSpare(Local):
+    """The stand-in with no node to replace a lost one with: its replacement's part-step
+    ends at once, saying so (as srun does with no node free)."""
+
+    def _replace(self, index, launch, nodes):
+        from mplaunch._engine.nodes.agents import ProcessStep
+        return ProcessStep(subprocess.Popen(["sh", "-c", "echo no node free >&2; exit 1"],
+                                            stdout=launch.output, stderr=launch.output),
+                           "sh: no node free")
+
+
 def register(name="local", scheduler=Local):
     """Register `scheduler` (a class offering the seam) under `name`."""
     from mplaunch._engine.nodes import schedulers

@@ -31,7 +31,7 @@ from mplaunch._engine import servers as _procs  # noqa: E402
 from mplaunch._wire import auth  # noqa: E402
 from nodes_scenarios import *  # noqa: E402,F401,F403 - the shared scenarios
 from nodes_scenarios import (alive, allreduce_sum, count_calls,  # noqa: E402
-                             die_in_rank_three, world_processes)
+                             die_in_rank_three, world_processes, world_processes_of)
 
 netns_hosts = netns.netns_hosts   # bind the fixture so pytest finds it
 
@@ -405,35 +405,144 @@ def test_a_rank_starts_where_its_node_can_and_imports_from_the_nodes_path_too():
     assert for_this_node(spec, "/ray/working_dir", "/agent", here).cwd == "/ray/working_dir"
 
 
-class _NoReplacement(local_step.Local):
-    """A scheduler whose replacement for a lost node never comes up (no node free: its
-    part-step ends at once)."""
-
-    def _replace(self, index, launch, nodes):
-        import subprocess
-        from mplaunch._engine.nodes.agents import ProcessStep
-        return ProcessStep(subprocess.Popen(["sh", "-c", "echo no node free >&2; exit 1"],
-                                            stdout=launch.output, stderr=launch.output),
-                           "sh: no node free")
-
-
-def test_a_lost_node_without_a_replacement_says_why_and_the_next_run_starts_afresh():
+@contextlib.contextmanager
+def no_spare_world(**options):
+    """A World on 2 stand-in nodes (2 ranks each) whose scheduler has no node to
+    replace a lost one with."""
     from mplaunch._engine.nodes import schedulers
-    local_step.register("local-no-spare", _NoReplacement)
+    local_step.register("local-no-spare", local_step.NoSpare)
     try:
-        with world(scheduler="local-no-spare", grace_period=2) as w:
-            assert w.run(count_calls) == [1] * 4
-            old = nodes_scenarios.world_processes(w)
-            os.kill(w.nodes[1]["agent_pid"], signal.SIGKILL)
-            with pytest.raises(mplaunch.WorkerError) as info:
-                w.run(count_calls, timeout=60)
-            healed = str(info.value.healed)
-            assert "could not be healed" in healed and "node 1 could not be replaced" in \
-                healed and "ended (exit status 1)" in healed, healed
-            assert nodes_scenarios.alive(old, timeout=20) == []
-            assert w.run(count_calls) == [1] * 4      # a fresh step, fresh ranks
+        with world(scheduler="local-no-spare", grace_period=2, **options) as w:
+            yield w
     finally:
         schedulers.unregister("local-no-spare")
+
+
+def rank_numbers():
+    import torch.distributed as dist
+    return ({k: os.environ[k] for k in nodes_scenarios.RANK_VARS},
+            (dist.get_rank(), dist.get_world_size()), os.getpid())
+
+
+def lost_for_good(w, node):
+    """Kill node `node`'s agent; return once the World knows it is lost."""
+    os.kill(w.nodes[node]["agent_pid"], signal.SIGKILL)
+    end = time.monotonic() + 10
+    while w.nodes[node]["lost"] is None:
+        assert time.monotonic() < end, "the lost node was not noticed within 10 s"
+        time.sleep(0.05)
+
+
+def test_a_lost_node_without_a_replacement_keeps_the_others_until_the_next_run():
+    with no_spare_world() as w:
+        assert w.run(count_calls) == [1] * 4
+        node0, node1 = (world_processes_of(w, n) for n in (0, 1))
+        survivors = {w.pids[0], w.pids[1]}
+        os.kill(w.nodes[1]["agent_pid"], signal.SIGKILL)
+        with pytest.raises(mplaunch.WorkerError) as info:
+            w.run(count_calls, timeout=60)
+        healed = str(info.value.healed)
+        assert "could not be healed" in healed and "node 1 could not be replaced" in \
+            healed and "ended (exit status 1)" in healed, healed
+        assert "the ranks on the other 1 node(s) were kept" in healed and \
+            "(ranks 0-1)" in healed and "world.restart(nnodes=1) goes on with them, " \
+            "renumbered 0..1" in healed and "a new step of 2 nodes" in healed, healed
+        assert nodes_scenarios.alive(node1, timeout=20) == []
+        assert set(nodes_scenarios.alive(survivors, timeout=0)) == survivors
+        assert w.nodes[1]["lost"] and w.nodes[0]["lost"] is None
+        assert w.run(count_calls) == [1] * 4      # a fresh step, fresh ranks
+        assert nodes_scenarios.alive(node0, timeout=20) == []
+
+
+def test_restart_with_the_nodes_left_goes_on_with_the_survivors_renumbered(caplog):
+    with no_spare_world() as w:
+        assert w.run(count_calls) == [1] * 4 and w.run(count_calls) == [2] * 4
+        pids = w.pids
+        os.kill(w.nodes[0]["agent_pid"], signal.SIGKILL)     # node 0: the others move
+        with pytest.raises(mplaunch.WorkerError) as info:
+            w.run(count_calls, timeout=60)
+        assert "(ranks 2-3)" in str(info.value.healed), info.value.healed
+        with caplog.at_level("WARNING", logger="mplaunch"):
+            assert w.restart(nnodes=1) is w
+        said = caplog.text
+        assert "going on with 1 node(s) of 2 ranks (2 ranks) without node 0" in said and \
+            "renumbered (2->0, 3->1)" in said, said
+        assert (w.nnodes, w.size, w.fresh_ranks) == (1, 2, [])
+        assert w.pids == {0: pids[2], 1: pids[3]}                 # the same processes
+        assert w.run(count_calls) == [4, 4]     # and their state (the failed call's 3rd)
+        assert [n["name"] for n in w.nodes] == ["node1"] and w.nodes[0]["node"] == 0
+        for rank, (env, dist, pid) in enumerate(w.run(rank_numbers)):
+            assert env == {"RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0",
+                           "GROUP_RANK": "0", "WORLD_SIZE": "2",
+                           "LOCAL_WORLD_SIZE": "2"}, env
+            assert dist == (rank, 2) and pid == pids[2 + rank]
+        assert w.run(allreduce_sum) == [3.0, 3.0]
+        # a rank that dies now is healed as in any World, on its node
+        with pytest.raises(mplaunch.WorkerError):
+            w.run(die_in_rank_one)
+        assert w.fresh_ranks == [1] and w.run(count_calls) == [5, 1]
+        assert w.run(allreduce_sum) == [3.0, 3.0]
+
+
+def die_in_rank_one():
+    if int(os.environ["RANK"]) == 1:
+        os._exit(3)
+    return 0
+
+
+def test_restart_with_the_nodes_left_between_calls_keeps_the_survivors():
+    with no_spare_world() as w:
+        assert w.run(count_calls) == [1] * 4
+        pids = w.pids
+        lost_for_good(w, 1)
+        w.restart(nnodes=1)
+        assert w.pids == {0: pids[0], 1: pids[1]} and w.run(count_calls) == [2, 2]
+        assert w.run(allreduce_sum) == [3.0, 3.0]
+        # any other count: a new step of fresh ranks
+        w.restart(nnodes=2)
+        assert w.nnodes == 2 and w.run(count_calls) == [1] * 4
+        assert not set(w.pids.values()) & set(pids.values())
+
+
+class _FirstShort(local_step.Local):
+    """A scheduler with no node for its first replacement, and one for each later."""
+    shorts = 1
+
+    def _replace(self, index, launch, nodes):
+        if _FirstShort.shorts:
+            _FirstShort.shorts -= 1
+            return local_step.NoSpare._replace(self, index, launch, nodes)
+        return super()._replace(index, launch, nodes)
+
+
+def test_after_going_on_a_lost_node_is_replaced_in_the_schedulers_own_slot():
+    """Three nodes; node 0 lost with no replacement, the World goes on with the other
+    two (renumbered 0 and 1: the scheduler's slots 1 and 2); then node 1 (slot 2) is
+    lost and replaced: the scheduler is asked for slot 2, and its agent takes the
+    World's node 1."""
+    from mplaunch._engine.nodes import schedulers
+    local_step.register("local-first-short", _FirstShort)
+    try:
+        with LocalNodes().world(nprocs=1, nnodes=3, scheduler="local-first-short",
+                                grace_period=2) as w:
+            assert w.run(count_calls) == [1, 1, 1]
+            pids = w.pids
+            lost_for_good(w, 0)
+            w.restart(nnodes=2)
+            assert w.pids == {0: pids[1], 1: pids[2]}
+            assert [n["name"] for n in w.nodes] == ["node1", "node2"]
+            os.kill(w.nodes[1]["agent_pid"], signal.SIGKILL)
+            with pytest.raises(mplaunch.WorkerError, match=r"node 1 \(node2\)"):
+                w.run(count_calls, timeout=60)
+            assert w.fresh_ranks == [1] and w.pids[0] == pids[1]
+            assert [n["name"] for n in w.nodes] == ["node1", "node2"]
+            assert [n["node"] for n in w.nodes] == [0, 1]
+            assert w.run(count_calls) == [3, 1] and w.run(allreduce_sum) == [3.0, 3.0]
+            got = w.run(rank_numbers)
+            assert [g[0]["NODE_RANK"] for g in got] == ["0", "1"]
+            assert [g[1] for g in got] == [(0, 2), (1, 2)]
+    finally:
+        schedulers.unregister("local-first-short")
 
 
 def test_spare_nodes_is_checked_before_anything_starts(monkeypatch):

@@ -10,7 +10,6 @@ from ``ranks`` and ``failures``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import pickle
 import selectors
@@ -24,6 +23,7 @@ from .failures import exited as exit_failure, gone_with_node, of_node, of_rank, 
 from .config import LaunchConfig
 from .output import StreamRelay, read_pipe, relay_pending
 from .screen import screen_for
+from .membership import Membership
 from .ranks import RankState, drain_outputs
 from .signals import Waker
 from .._wire.channel import send_framed
@@ -50,7 +50,7 @@ class Teardown:
     killed: bool = False
 
 
-class RankGroup:
+class RankGroup(Membership):
     """This node's ranks of one attempt. ``waker`` lets someone else (a signal handler,
     another thread) make ``wait()`` return early. How ranks are started, signalled and
     reaped is the spawner's (_engine.spawners); the group only keeps their state."""
@@ -64,6 +64,7 @@ class RankGroup:
         self._sinks = None   # relay_to's last sinks and their screens (_relay_to)
         self._specs = list(specs)
         self.ranks: List[RankState] = [RankState(s) for s in specs]
+        self._tokens: Dict[int, RankState] = {}   # each started rank by its token
         self._by_rank_logs = len({s.node_rank for s in specs}) > 1
         self.failures: List[RankFailure] = []
         self.teardown: Optional[Teardown] = None
@@ -100,35 +101,18 @@ class RankGroup:
         while any(r.pid is None and r.alive for r in self.ranks):   # started, or failed to
             self.spawner.pump()
 
-    def replace(self, index: int, payload_fd: int, spec=None) -> RankState:
-        """A fresh process for a dead rank, by the path that started it (a healing World:
-        _engine.world_engine; `spec`: on its node's replacement); its first call is the
-        payload in `payload_fd`. The old one's last output is relayed and its fds closed.
-        Returns once it has a pid."""
-        old = self.ranks[index]
-        relay_pending(old, end_line=False)   # all there is: the writer is dead
-        for fileobj in (old.reader.sock, old.out_fd, old.err_fd, old.stack_fd):
-            if fileobj is not None:
-                self._unregister(fileobj)
-        old.close()
-        # Its group comes from its first call (a rebuild in key space n with the others),
-        # not from the set-up that a spec's backend asks for (key space 0).
-        self._specs[index] = spec or self._specs[index]
-        new = RankState(dataclasses.replace(self._specs[index], backend=None))
-        self.ranks[index] = new
-        self._start_one(new, payload_fd)
-        while new.pid is None and new.alive:
-            self.spawner.pump()
-        return new
-
     def _start_one(self, r: RankState, payload_fd: Optional[int] = None) -> None:
         if self._by_rank_logs:
             r.log_name = str(r.spec.rank)
         child_fds = r.open(self.cfg, self.number,
                            self.payload_fd if payload_fd is None else payload_fd)
+        if r.token is None:
+            # Its place in the group when it started (local_rank is not one across
+            # nodes); its own from then on (renumber)
+            r.token = self.ranks.index(r)
+        self._tokens[r.token] = r
         try:
-            # Its token is its place in the group (local_rank is not one across nodes).
-            self.spawner.start(self.ranks.index(r), r.spec, child_fds)
+            self.spawner.start(r.token, r.spec, child_fds)
         finally:
             r.close_child_ends()
         self._sel.register(r.reader.sock, selectors.EVENT_READ, ("result", r))
@@ -137,7 +121,9 @@ class RankGroup:
 
     # -- what the spawner reports ----------------------------------------------------------
     def started(self, token: int, pid: int) -> None:
-        r = self.ranks[token]
+        r = self._tokens.get(token)
+        if r is None:
+            return   # a rank the group let go of (renumber)
         r.pid = pid
         self._by_pid[pid] = r
         if self.teardown is not None:
@@ -146,23 +132,28 @@ class RankGroup:
     def exited(self, pid: int, status: int, max_rss: Optional[int] = None,
                note: Optional[str] = None, token: Optional[int] = None) -> None:
         """`note`: the kernel's word on its death (OOM); `token`: it, if pids repeat."""
-        r = self.ranks[token] if token is not None else self._by_pid.get(pid)
+        r = self._tokens.get(token) if token is not None else self._by_pid.get(pid)
         if r is not None and r.alive and r.pid is not None:
             r.max_rss, r.exit_note = max_rss, note
             self._on_exit(r, status)
 
-    def node_lost(self, tokens: Sequence[int], message: str, replaced=False) -> None:
-        """A node is gone with its ranks: their deaths; the group torn down unless the
-        node is `replaced` (a healing World's: dead ranks, each replaced)."""
-        lost = [self.ranks[t] for t in tokens if self.ranks[t].alive]
+    def node_lost(self, tokens: Sequence[int], message: str, healable=False) -> None:
+        """A node is gone with its ranks: their deaths; the group torn down unless they
+        are `healable` in a healing World's call: dead ranks, which its heal replaces on
+        the node's replacement, or leaves to World.restart(nnodes=M) where there is
+        none."""
+        lost = [r for r in (self._tokens.get(t) for t in tokens)
+                if r is not None and r.alive]
         for r in lost:
             r.status, r.exited_at = signal.SIGKILL, time.time()
             self.record(gone_with_node(r, self.attempt, message if r is lost[0] else None))
-        if not (replaced and self.heal):
+        if not (healable and self.heal):
             self.stop(signal.SIGTERM)
 
     def start_failed(self, token: int, reason: str) -> None:
-        r = self.ranks[token]
+        r = self._tokens.get(token)
+        if r is None:
+            return
         r.status = 1 << 8    # dead without a pid: it never started
         self.fail(of_rank(r, self.attempt, exitcode=1,
                           message=f"could not start: {reason}"))
@@ -334,14 +325,14 @@ class RankGroup:
             ranks = [r for r in ranks if r.signalable]
             if ranks:
                 self.spawner.signal_ranks(signo, [r.pid for r in ranks],
-                                          tokens=[self.ranks.index(r) for r in ranks])
+                                          tokens=[r.token for r in ranks])
 
     def _signal(self, signo: int, ranks) -> None:
         """`signo` to each rank's whole process group (its descendants too)."""
         ranks = [r for r in ranks if r.pid is not None]
         if ranks:
             self.spawner.signal_groups(signo, [r.pid for r in ranks],
-                                       tokens=[self.ranks.index(r) for r in ranks])
+                                       tokens=[r.token for r in ranks])
 
     def _unregister(self, fileobj) -> None:
         with contextlib.suppress(KeyError, ValueError):

@@ -87,6 +87,11 @@ class StreamRelay(OpenLine):
         self._prompts = False
         self._shown = None
 
+    def retitle(self, prefix: str) -> None:
+        """Prefix its lines with `prefix` from now on (a rank renumbered)."""
+        self.prefix = prefix.encode("utf-8")
+        self._nlp = b"\n" + self.prefix
+
     def retarget(self, sink, screen=None) -> None:
         """Relay to `sink` from now on (a World's run from another notebook cell, or
         under another test's capture); `screen`: `sink`'s (screen_for), when the caller

@@ -21,7 +21,7 @@ class RankState:
     __slots__ = ("spec", "pid", "reader", "out_fd", "err_fd", "stack_fd", "out", "err",
                  "status", "result", "has_result", "error", "max_rss", "exit_note",
                  "reporter", "exited_at", "log_name", "kept_globals", "collectives",
-                 "calls", "answers", "_child_ends")
+                 "calls", "answers", "_child_ends", "token")
 
     def __init__(self, spec: RankSpec):
         self.spec = spec
@@ -41,6 +41,9 @@ class RankState:
         # and is dropped, never taken for the current call's (RankGroup._on_message).
         self.calls = 1
         self.answers = 0
+        # What its spawner knows it by: its place in the group when the group started
+        # (kept by its replacement, and when the World goes on renumbered)
+        self.token: Optional[int] = None
         self.reader: Optional[FramedReader] = None
         self.out: Optional[StreamRelay] = None
         self.err: Optional[StreamRelay] = None

@@ -91,6 +91,10 @@ class ServerSpawner:
         machine, not at all."""
         return 0
 
+    def forget(self, tokens) -> None:
+        """The group let these dead ranks go (RankGroup.renumber: a World across nodes,
+        whose spawner is _engine.nodes.spawner's)."""
+
     def sweep(self, timeout: float = 5.0) -> None:
         """Have the server kill what is left below it (orphaned grandchildren) and wait
         until it has, passing on exits reported meanwhile."""

@@ -36,7 +36,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from . import gpumem, servers, signals
 from .attempt import Attempt
-from .nodes import hub as remote, spawner as nodespawner
+from .nodes import going_on, hub as remote, spawner as nodespawner
+from .nodes.mend import moved
 from .nodes.plan import NodesPlan
 from .config import LaunchConfig, node_user_envs, rank_specs, with_streams
 from .heal import (CallDriver, consequences_last, disagree, forget_failures,
@@ -61,10 +62,12 @@ log = logging.getLogger("mplaunch")
 class RankCalls:
     """mplaunch's own calls in a World's ranks (functions of _rank, sent by reference):
     ``setup(backend)`` first, ``group_state()`` after a failed call, ``rebuild(backend,
-    n)`` to make the process group again in key space n."""
+    n)`` to make the process group again in key space n, ``renumber(changes)`` where
+    the World goes on without a lost node."""
     setup: Callable
     group_state: Callable
     rebuild: Callable
+    renumber: Callable
 
 
 @dataclass
@@ -104,6 +107,7 @@ class Serving:
         self._generation = 0          # how many times ranks were started
         self._called = None           # the group of the last call (its notes: _take_notes)
         self._sampler = LateSampler()  # the late rank's stack, in calls of 1 s or more
+        self.waiting = False          # kept without a lost node, for restart(nnodes=M)
 
     @property
     def up(self) -> bool:
@@ -161,6 +165,7 @@ class Serving:
         Idempotent; the next call starts fresh ranks."""
         attempt, stack = self.attempt, self._stack
         self.attempt = self._stack = None
+        self.waiting = False
         if attempt is None:
             return
         self._sampler.end()   # (a call the stop cut short)
@@ -211,8 +216,7 @@ class Serving:
 
     @property
     def nodes_info(self) -> list:
-        hub = self.hub
-        return hub.nodes if hub is not None else []
+        return [(lk.info, lk.lost) for lk in hub.links] if (hub := self.hub) else []
 
     def close_nodes(self) -> None:
         """End the nodes' agents and their step (a World's close())."""
@@ -222,8 +226,7 @@ class Serving:
 
     def reform(self, cfg: LaunchConfig, nodes: NodesPlan) -> None:
         """Across nodes, after stop(): serve with `cfg` on `nodes` from the next start,
-        in a new step (World.restart(nnodes=)). Every rank of the new layout is a fresh
-        process, including ranks that keep their numbers."""
+        in a new step (World.restart(nnodes=)), every rank a fresh process."""
         if self.attempt is not None:
             raise RuntimeError("reform() re-forms stopped ranks; call stop() first")
         self.close_nodes()
@@ -251,6 +254,8 @@ class Serving:
 
     def _call(self, payload: Union[bytes, Payload], timeout: Optional[float],
               reloads: Sequence[Tuple[str, str]]) -> list:
+        if self.waiting:
+            self.stop()   # not going on without the lost node: fresh ranks, a new step
         self.start()
         self.fresh = []
         attempt = self.attempt
@@ -297,14 +302,12 @@ class Serving:
 
     def _driven(self, on_signal, drive: Callable[[], None],
                 send: Optional[Callable[[], None]] = None) -> None:
-        """`send` a call to the ranks, then `drive` it to its answers, with signals to
-        this process forwarded to `on_signal` from before the first rank is sent
-        anything: an interrupt is then the driver's to handle (the call interrupted in
-        the ranks, the World kept) whenever it comes. Before, Ctrl-C in the moment
-        between the send and the drive left by Python's handler with the ranks still
-        running the call, and every later call read the answers of the one before.
-        Whatever escapes once something was sent tears the ranks down; an interrupt
-        before that (the handlers not yet in place) leaves them as they were."""
+        """`send` a call, then `drive` it to its answers, signals to this process going
+        to `on_signal` from before anything is sent: an interrupt is the driver's
+        whenever it comes (before, a Ctrl-C between send and drive left the ranks in
+        the call, and every later call read the answers of the one before). Whatever
+        escapes once something was sent tears the ranks down; an interrupt before that
+        leaves them as they were."""
         sent = send is None
         try:
             with signals.forwarding(on_signal, warn=False, wake_fd=self.attempt.waker.w):
@@ -359,6 +362,8 @@ class Serving:
         except (KeyboardInterrupt, MainProcessError):
             raise
         except BaseException as exc:  # noqa: BLE001 - whatever it was, it cannot be healed
+            if (kept := going_on.kept(self, exc)) is not None:   # a lost node, no spare
+                return kept
             self.stop()
             return (f"the world could not be healed ({type(exc).__name__}: {exc}) and was "
                     "torn down; the next run starts fresh ranks")
@@ -374,7 +379,7 @@ class Serving:
         rank (key space `n`); each live rank's names of stale objects."""
         group = self.attempt.group
         payload = dumps_payload(self.calls.rebuild, (backend, n), {})
-        specs = _moved(self.hub, group, dead,
+        specs = moved(self.hub, group, dead,
                        lambda: self._node_specs(self._session, self.attempt.number))
 
         def send():
@@ -403,18 +408,6 @@ class Serving:
             results_or_raise(attempt)    # raises what stopped it
             raise RuntimeError("a rank did not answer mplaunch's own call")
         return [r.result for r in ranks]
-
-
-def _moved(hub, group, dead: List[int], specs: Callable[[], list]) -> dict:
-    """Across nodes: the lost nodes among the `dead` ranks' are replaced first (the
-    Hub's mends, begun as each was lost: _engine.nodes.mend); the dead ranks' specs on
-    their new node (from `specs()`, every rank's), by place. NodesError where a lost
-    node has no replacement."""
-    if hub is None:
-        return {}
-    lost = hub.install_lost({group.ranks[i].spec.node_rank for i in dead})
-    every = specs() if lost else []
-    return {i: every[i] for i in dead if group.ranks[i].spec.node_rank in lost}
 
 
 def _take_notes(group, reply: Reply) -> None:

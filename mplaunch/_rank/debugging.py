@@ -68,6 +68,17 @@ def install(sock, rank, serve: bool) -> None:
         sys.breakpointhook = _breakpoint
 
 
+def rank():
+    """This rank's number, as the launching process knows it."""
+    return _rank
+
+
+def renumbered(rank: int) -> None:
+    """The World went on without a lost node and renumbered this rank (_rank.heal)."""
+    global _rank
+    _rank = rank
+
+
 def call_begins(func) -> None:
     """A call of `func` starts: the last call's error, kept for ``World.debug``, is
     forgotten, unless `func` is mplaunch's own (a heal's, or World.debug's)."""

@@ -227,6 +227,22 @@ def rebuild(backend: Optional[str], n: int) -> List[str]:
     return stale
 
 
+def renumber(changes: dict) -> int:
+    """World.restart(nnodes=M) goes on without a lost node: this rank's number and
+    environment as the new layout has them (`changes`: {old rank: {name: value, or None
+    where it goes}}), before the group is rebuilt in it (rebuild). Its new rank."""
+    from . import debugging
+    mine = changes.get(debugging.rank(), {})
+    for name, value in mine.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    new = int(mine.get("RANK", debugging.rank()))
+    debugging.renumbered(new)
+    return new
+
+
 def stale_holders() -> List[str]:
     """Names of the objects this rank's user code keeps that hold the current group."""
     try:

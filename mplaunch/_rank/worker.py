@@ -244,7 +244,7 @@ def _call_and_report(sock, spec, payload_fd: int, changes=(), first: bool = Fals
         if not spec.serve:
             procgroup.shield()   # its group ends after the report, before the SIGTERM
         _send_exception(sock, exc, EXIT_ERROR, show, hint=_spawn_style_hint(exc),
-                        rank=spec.rank, began=began)
+                        rank=debugging.rank(), began=began)
         return EXIT_ERROR
     serving.accept_interrupts(False)   # a script's call: its value is being answered
     try:

@@ -196,13 +196,30 @@ class Hub:
         link, part = self.mends.take(index, old)
         with self.mends.lock:
             self.links[index] = link
-        self._payloads.forget(index)
+        self._payloads.forget(old.info.slot)
         self._pump.add_link(link)
         part.watch(lambda i, why: self._node_ended(i, why, link))
         if self._spawner is not None:
             link.beating = False
             link.send(OpenGroup())
         return link
+
+    def drop_lost(self) -> List[Link]:
+        """Go on without every lost node (World.restart(nnodes=M), where none can be
+        replaced): their links leave the World, closed with the Hub; the others are
+        renumbered in their order (their ranks' NODE_RANK), keeping their slots (the
+        scheduler's numbers, which its step and part-steps speak of). The links
+        dropped."""
+        lost = [link for link in self.links if link.lost is not None]
+        self.mends.drop(lost)
+        with self.mends.lock:
+            self.links = [link for link in self.links if link.lost is None]
+            for i, link in enumerate(self.links):
+                link.info.index = i
+            self.nnodes = len(self.links)
+        for link in lost:
+            self._payloads.forget(link.info.slot)
+        return lost
 
     # -- what the group asks (in its thread; a call, in the pump's) ----------------------
     def open_group(self, spawner) -> None:
@@ -258,10 +275,12 @@ class Hub:
         only late): its link is cut at once, and the pump takes it as a lost node (and
         the agent, if it is still there, ends with its connection, its ranks with it)."""
         with self.mends.lock:
-            if link is None and (index in self.mends.replaced
-                                 or not 0 <= index < len(self.links)):
-                return
-            link = link or self.links[index]
+            if link is None:
+                if index in self.mends.replaced:
+                    return
+                link = next((lk for lk in self.links if lk.info.slot == index), None)
+                if link is None:
+                    return   # a node the World went on without
         if link.lost is None:
             link.lost = why
             try:
@@ -337,7 +356,7 @@ class Hub:
         if step is not None:
             # Each node with the step that runs its agent now (a replaced node's: its part).
             step.end(grace, [n for n in self.nodes
-                             if n.index not in self.mends.replaced])
+                             if n.slot not in self.mends.replaced])
         for part, node in parts:
             part.end(grace, [node])
         if self._step_log is not None:

@@ -26,7 +26,10 @@ __mplaunch_plumbing__ = True
 @dataclasses.dataclass
 class NodeInfo:
     """A node of the World, as its agent said when it joined (and its placement, once
-    ready)."""
+    ready). `index` is its place in the World (its ranks' NODE_RANK); `slot` is the
+    scheduler's number for it (the step's task, the placement group's bundle), the same
+    unless the World went on without a lost node (World.restart(nnodes=M)), which
+    renumbers the others but not their slots."""
     index: int
     name: str
     host: str
@@ -37,6 +40,11 @@ class NodeInfo:
     placed_cpus: Optional[tuple] = None
     payloads: int = 0       # payloads sent to the node so far (_engine.nodes.payloads)
     clock_offset_ns: int = 0  # its wall clock less ours (hub._clock_offset)
+    slot: int = -1            # the scheduler's number for it: `index` when it joined
+
+    def __post_init__(self):
+        if self.slot == -1:
+            self.slot = self.index
 
 
 class Joining:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from .agents import NodesError, join_addr, listen
 from .joining import accept
@@ -26,11 +26,12 @@ __mplaunch_plumbing__ = True
 
 
 class Mend:
-    """The replacement of node `index`, under way in its thread once made. One at a
-    time per World (`serial`): a second one is placed knowing where the first went."""
+    """The replacement of node `index` (the scheduler's `slot`), under way in its
+    thread once made. One at a time per World (`serial`): a second one is placed
+    knowing where the first went."""
 
-    def __init__(self, mends: "Mends", index: int):
-        self.mends, self.index = mends, index
+    def __init__(self, mends: "Mends", index: int, slot: int):
+        self.mends, self.index, self.slot = mends, index, slot
         self.link = None                 # the replacement's Link, once configured
         self.step = None                 # the scheduler's part-step running its agent
         self.error: Optional[str] = None
@@ -45,7 +46,7 @@ class Mend:
         mends, hub = self.mends, self.mends.hub
         listener = None
         try:
-            for part, node in mends.take_parts(self.index):   # one lost in its turn
+            for part, node in mends.take_parts(self.slot):   # one lost in its turn
                 part.end(0.0, [node])
             with mends.serial:
                 if self.cancelled:
@@ -53,14 +54,15 @@ class Mend:
                 listener = listen(hub.address)
                 launch = hub.agent_launch(1, join_addr(hub.address,
                                                        listener.getsockname()[1]))
-                self.step = hub.step.replace(self.index, launch, mends.in_use(self.index))
-                joined = accept(listener, launch.secret, hub, [self.index],
+                self.step = hub.step.replace(self.slot, launch, mends.in_use(self.slot))
+                joined = accept(listener, launch.secret, hub, [self.slot],
                                 hub.join_timeout, self.step,
                                 lambda: f"the replacement's step was {self.step.command}",
                                 lambda: self.cancelled)
                 if joined is None:
                     return
-                link = Link(*joined[self.index])
+                link = Link(*joined[self.slot])
+                link.info.index = self.index   # its place in the World (slot: the agent's)
                 try:
                     hub.configure([link])
                 except BaseException:
@@ -120,7 +122,7 @@ class Mends:
         self.running: Dict[int, Mend] = {}
         self.parts: list = []             # (part-step, its node): installed replacements
         self.gone: List = []              # the links they replaced (closed at close)
-        self.replaced: set = set()        # node indices a part-step runs now
+        self.replaced: set = set()        # node slots a part-step runs now
         self.closing = False
 
     def can(self) -> bool:
@@ -151,25 +153,26 @@ class Mends:
             log.warning("mplaunch.World: %s was lost (%s); starting a replacement for "
                         "it: its ranks start again there, the other nodes' ranks keep "
                         "theirs", link.describe(), link.lost)
-            self.running[index] = Mend(self, index)
+            self.running[index] = Mend(self, index, link.info.slot)
 
-    def in_use(self, index: int) -> list:
-        """What a replacement for node `index` must not land on but that node itself:
-        every node of the World (its replacements under way too) with its index, and
-        every node that failed before, as index -1."""
+    def in_use(self, slot: int) -> list:
+        """What a replacement for the node in `slot` must not land on but that node
+        itself: every node of the World (its replacements under way too), and every node
+        that failed before or left the World, as slot -1."""
         with self.lock:
             nodes = [link.info for link in self.hub.links]
-            nodes += [m.link.info for i, m in self.running.items()
-                      if i != index and m.link is not None]
-            nodes += [dataclasses.replace(link.info, index=-1) for link in self.gone]
+            nodes += [m.link.info for m in self.running.values()
+                      if m.slot != slot and m.link is not None]
+            nodes += [dataclasses.replace(link.info, index=-1, slot=-1)
+                      for link in self.gone]
         return nodes
 
-    def take_parts(self, index: int) -> list:
-        """The (part-step, node) that ran node `index`'s agent, to end before it is
+    def take_parts(self, slot: int) -> list:
+        """The (part-step, node) that ran the agent in `slot`, to end before it is
         replaced again."""
         with self.lock:
-            mine = [(p, n) for p, n in self.parts if n.index == index]
-            self.parts = [(p, n) for p, n in self.parts if n.index != index]
+            mine = [(p, n) for p, n in self.parts if n.slot == slot]
+            self.parts = [(p, n) for p, n in self.parts if n.slot != slot]
         return mine
 
     def take(self, index: int, old):
@@ -182,9 +185,19 @@ class Mends:
         with self.lock:
             self.running.pop(index, None)
             self.parts.append((mend.step, link.info))
-            self.replaced.add(index)
+            self.replaced.add(old.info.slot)
             self.gone.append(old)
         return link, mend.step
+
+    def drop(self, links) -> None:
+        """`links` leave the World (lost, not replaced: World.restart(nnodes=M)): a mend
+        still trying for one is cancelled, and each is closed with the Hub."""
+        with self.lock:
+            mends = [self.running.pop(i) for i, link in enumerate(self.hub.links)
+                     if link in links and i in self.running]
+            self.gone += links
+        for mend in mends:
+            mend.cancel(0.0)
 
     def close(self, grace: float):
         """No more mends; those under way cancelled. The part-steps to end and the
@@ -197,3 +210,15 @@ class Mends:
         for mend in running:
             mend.cancel(grace)
         return parts, gone
+
+
+def moved(hub, group, dead: List[int], specs: Callable[[], list]) -> dict:
+    """Across nodes: the lost nodes among the `dead` ranks' are replaced first (the
+    Hub's mends, begun as each was lost: _engine.nodes.mend); the dead ranks' specs on
+    their new node (from `specs()`, every rank's), by place. NodesError where a lost
+    node has no replacement."""
+    if hub is None:
+        return {}
+    lost = hub.install_lost({group.ranks[i].spec.node_rank for i in dead})
+    every = specs() if lost else []
+    return {i: every[i] for i in dead if group.ranks[i].spec.node_rank in lost}

@@ -49,7 +49,7 @@ class NodePayloads:
             return link.send(record(keys))
 
     def _ensure(self, link, fd: int):
-        node = link.info.index
+        node = link.info.slot   # (renumbered links keep it)
         key = tunnel.payload_key(fd)
         held = self._held.get(node)
         if held is not None and held[0] == key:
@@ -70,7 +70,7 @@ class NodePayloads:
             servers.close_fd(held[1])
 
     def forget(self, node: int) -> None:
-        """Node `node` was replaced: its new agent holds nothing yet."""
+        """Node `node` (its slot) was replaced, or left the World: nothing held there."""
         with self._lock:
             self._drop(node)
 

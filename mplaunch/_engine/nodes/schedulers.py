@@ -58,7 +58,8 @@ class Step(Protocol):
     def watch(self, on_end: Callable[[int, str], None]) -> None:
         """From now on, ``on_end(node index, why)`` when the scheduler learns that a
         node's agent ended; a scheduler that learns nothing the agents' connections do
-        not does nothing."""
+        not does nothing. A node's index here is the scheduler's own: the one its agent
+        was handed (NodeInfo.slot)."""
 
     def end(self, grace: float, nodes: Sequence[Any] = ()) -> None:
         """End the step: its agents end with their connections, within `grace`
@@ -68,7 +69,8 @@ class Step(Protocol):
     #   def replace(self, index: int, launch: AgentLaunch, nodes) -> Step
     # Start one agent (launch.nnodes == 1) for lost node `index`, on another node that
     # can take it (or the same one, back), handed `index` as its node index; `nodes`:
-    # the Hub's NodeInfo (the nodes in use, to leave out). Returns the part-step that
+    # the Hub's NodeInfo (the nodes in use, to leave out; each's `slot` is the index it
+    # was handed, -1 for a node that failed before). Returns the part-step that
     # runs it, ended as a step is. The Hub does the rest (hub.py, mend.py).
 
 

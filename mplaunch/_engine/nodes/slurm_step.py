@@ -133,7 +133,7 @@ class Slurm:
         used = {n.name for n in nodes}
         spare = slurm_nodes_available(os.environ) > len(used)
         leave_out = sorted(used if spare else used - {n.name for n in nodes
-                                                      if n.index == index})
+                                                      if n.slot == index})
         argv = srun_argv(1, launch.argv, env)
         if leave_out:
             argv.insert(1, f"--exclude={','.join(leave_out)}")

@@ -121,22 +121,32 @@ class RemoteSpawner:
         self._acks.add((type(rec), link.info.index))
 
     def _node_lost(self, link: Link, why: str, mended: bool = True) -> None:
-        if link in self._lost_seen or link is not self.hub.links[link.info.index]:
+        """`mended`: a lost link, whose ranks a healing World's heal takes as dead ranks
+        (replaced on the node's replacement, or left to World.restart(nnodes=M)); a lost
+        server is not (its agent would start the ranks again there)."""
+        if link in self._lost_seen or link not in self.hub.links:
             return   # said already, or a link a replacement took the place of
         self._lost_seen.add(link)
         tokens = [t for t, node in self._tokens.items() if node is link]
-        replaced = mended and self.hub.mends.mending(link.info.index)
+        coming = mended and self.hub.mends.mending(link.info.index)
         self.events.node_lost(tokens, f"is gone: its node, {link.describe()}, was lost: "
                                       f"{why}; every rank there is gone"
-                                      + ("; a replacement node is on its way" if replaced
-                                         else ""), replaced=replaced)
+                                      + ("; a replacement node is on its way" if coming
+                                         else ""), healable=mended)
+
+    def forget(self, tokens) -> None:
+        """The group let these ranks go (their node left the World: renumber)."""
+        for token in tokens:
+            if self._tokens.pop(token, None) is not None:
+                self.hub.drop_rank_proxy(token)
+            self._exited.discard(token)
 
     def _tokens_by_link(self, tokens):
-        by: Dict[int, List[int]] = {}
+        by: Dict[Link, List[int]] = {}
         for t in tokens:
             link = self._tokens.get(t)
             if link is not None:
-                by.setdefault(link.info.index, []).append(t)
+                by.setdefault(link, []).append(t)
         return by
 
     def signal_groups(self, signo: int, pids, tokens=()) -> None:
@@ -146,8 +156,7 @@ class RemoteSpawner:
         self._signal(SignalRanks, signo, tokens)
 
     def _signal(self, request, signo: int, tokens) -> None:
-        for node, ts in self._tokens_by_link(tokens).items():
-            link = self.hub.links[node]
+        for link, ts in self._tokens_by_link(tokens).items():
             count = link.send_signal(request(signo, tuple(ts)))
             if count is None:
                 continue

@@ -1,0 +1,114 @@
+"""A World across nodes that goes on without a lost node (issue 42). Where a lost node
+cannot be replaced (no spare node, a scheduler that cannot start one, a replacement
+that failed), a healing World keeps the other nodes' ranks, their processes and their
+state, instead of tearing every node down; the failed call's error says so, and
+``World.restart(nnodes=M)``, M being the nodes left, goes on with them:
+
+- the lost nodes' links leave the Hub, and the others are renumbered in their order
+  (their ranks' NODE_RANK); each keeps its slot, the scheduler's number for it, which
+  its step and part-steps go on speaking of (Hub.drop_lost);
+- the ranks on the lost nodes leave the group, and the others are renumbered in their
+  order: each is told what changes in its environment (RANK, WORLD_SIZE, NODE_RANK and
+  the variables that follow them: _rank.heal.renumber), keeping its process and state;
+- the process group is rebuilt among them in a new key space, and a rank that died
+  on a node that stays starts fresh there, as after any heal.
+
+Any other call (a run, restart() without nnodes, restart(nnodes=) with another count)
+ends the kept ranks and starts fresh ones on a new step, as before.
+
+Rejected: going on with fewer nodes at once, in the failed call's heal. A World sized
+for N nodes that silently becomes smaller changes what every later call computes (its
+batch per step, its learning rate's scale, the ranks a sharded checkpoint expects);
+the user says so, once, knowing the new size. And renumbering nobody (a World whose
+ranks are 0, 1, 4, 5): torch.distributed, DDP and every framework expect ranks
+0..WORLD_SIZE-1.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+from .agents import NodesError
+from ..heal import forget_failures
+
+log = logging.getLogger("mplaunch")
+__mplaunch_plumbing__ = True
+
+
+def kept(engine, exc: BaseException) -> Optional[str]:
+    """After a heal that found a lost node with no replacement (`exc`, a NodesError):
+    what the World kept, said for the error, where the other nodes' ranks are kept;
+    None where nothing can be (another error, or no node left)."""
+    hub, attempt = engine.hub, engine.attempt
+    if not isinstance(exc, NodesError) or hub is None or attempt is None:
+        return None
+    nodes = [link for link in hub.links if link.lost is None]
+    ranks = [r.spec.rank for r in attempt.group.ranks if r.alive]
+    if not nodes or not ranks:
+        return None
+    engine.waiting = True
+    m = len(nodes)
+    return (f"the world could not be healed ({exc}); the ranks on the other {m} node(s) "
+            f"were kept, with their processes and state (ranks {_runs(ranks)}): "
+            f"world.restart(nnodes={m}) goes on with them, renumbered 0.."
+            f"{m * engine.cfg.nprocs - 1} in their order (each one's RANK, WORLD_SIZE "
+            f"and NODE_RANK change); any other run or restart ends them and starts fresh "
+            f"ranks on a new step of {hub.nnodes} nodes")
+
+
+def can(engine, nnodes: int, nprocs: Optional[int]) -> bool:
+    """restart(nnodes=`nnodes`, nprocs=`nprocs`) can go on with the ranks that are up:
+    a healing World across nodes, up, with a lost node, `nnodes` the nodes left."""
+    hub = engine.hub
+    if not engine.heal or engine.attempt is None or hub is None:
+        return False
+    live = [link for link in hub.links if link.lost is None]
+    return (len(live) < len(hub.links) and nnodes == len(live)
+            and nprocs in (None, engine.cfg.nprocs))
+
+
+def go_on(engine, cfg, plan) -> str:
+    """Go on with the nodes left (see the module's text); `cfg` and `plan`: the World's
+    on them. What was done, said plainly. Raises (the World torn down) if a kept rank
+    does not follow."""
+    attempt, hub = engine.attempt, engine.hub
+    group = attempt.group
+    lost = {link.info.index: link.describe() for link in hub.links
+            if link.lost is not None}
+    was = {i: r.spec.rank for i, r in enumerate(group.ranks)}
+    keep = [i for i, r in enumerate(group.ranks) if r.spec.node_rank not in lost]
+    hub.drop_lost()
+    engine.cfg, engine.nodes, engine.waiting = cfg, plan, False
+    specs = engine._node_specs(engine._session, attempt.number)
+    attempt.cfg = dataclasses.replace(attempt.cfg, nnodes=cfg.nnodes)
+    changes = group.renumber(keep, specs, attempt.cfg)
+    forget_failures(attempt)
+    live = [r for r in group.ranks if r.alive]
+    dead = [i for i, r in enumerate(group.ranks) if not r.alive]
+    engine._control(engine.calls.renumber, (changes,), live)
+    states = engine._control(engine.calls.group_state, (), live)
+    backends = {s["backend"] for s in states if s["initialized"]}
+    backend = backends.pop() if len(backends) == 1 else engine.backend
+    engine._rebuild(backend, max(s["incarnation"] for s in states), dead, live)
+    engine.fresh = [group.ranks[i].spec.rank for i in dead]
+    moved = ", ".join(f"{was[i]}->{group.ranks[j].spec.rank}"
+                      for j, i in enumerate(keep) if was[i] != group.ranks[j].spec.rank)
+    return (f"mplaunch.World: going on with {cfg.nnodes} node(s) of {cfg.nprocs} ranks "
+            f"({cfg.world_size} ranks) without {', '.join(lost.values())}: the ranks "
+            f"there are gone; the others kept their processes and state"
+            + (f", renumbered ({moved})" if moved else ", and their numbers")
+            + (f"; rank(s) {engine.fresh} were dead and started fresh" if engine.fresh
+               else "") + "; the process group was rebuilt among them")
+
+
+def _runs(ranks) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(r) if r == start else f"{start}-{r}")
+            start = None
+    return ", ".join(out)
