@@ -164,7 +164,7 @@ class World:
         CUDA_VISIBLE_DEVICES, and ``"payloads"``: how many payloads (a run's function
         and arguments, sent to a node once for all its ranks) were sent to it so far
         ([] before the first run; one node: []), and ``"lost"``: why the node was lost
-        (None while it is not; see :ref:`lost-node`)."""
+        (None while it is not; see :ref:`a lost node <lost-node>`)."""
         return [{"node": i.index, "name": i.name, "agent_pid": i.pid, "gpus": i.gpus,
                  "cpus": i.placed_cpus, "allowed": i.cpus,
                  "environ": {k: v for k, v in i.environ.items()
@@ -280,8 +280,8 @@ class World:
         had). Where a node was lost and could not be replaced, and M is the number of
         nodes left, the World goes on with the ranks that are up: their processes and
         state are kept, and they are renumbered 0..M*nprocs-1 in their order (the
-        failed call's error says so; see :ref:`lost-node`). Otherwise it starts fresh
-        ranks on M nodes in a new step."""
+        failed call's error says so; see :ref:`a lost node <lost-node>`). Otherwise it
+        starts fresh ranks on M nodes in a new step."""
         with self._lock:
             if nnodes is not None or nprocs is not None:
                 cfg, plan = self._plan(nnodes if nnodes is not None else self.nnodes,
