@@ -143,12 +143,13 @@ def result_of(text: str, tag="RESULT"):
 # -- launch(), a terminal --------------------------------------------------------------
 
 BREAK_IN_EVERY_RANK = """
-import os
+import os, time
 import mplaunch
 
 def f(base):
     rank = int(os.environ["RANK"])
     secret = base * 100 + rank
+    time.sleep(LATE.get(rank, 0))
     breakpoint()  # STOP
     return secret + 1
 
@@ -157,32 +158,40 @@ if __name__ == "__main__":
 """
 
 
-def test_breakpoint_in_every_rank_one_rank_at_a_time(term):
-    run = term(BREAK_IN_EVERY_RANK)
+@pytest.mark.parametrize("late", [{}, {0: 1.0}], ids=["as-they-come", "rank-0-late"])
+def test_breakpoint_in_every_rank_one_rank_at_a_time(term, late):
+    run = term(BREAK_IN_EVERY_RANK.replace("LATE", repr(late)))
     stop = line_of(run.script, "# STOP")
-    run.wait_for("[rank0]: (Pdb) ")
-    # rank 1 stopped too: it is named as waiting, and shows no prompt meanwhile
-    run.wait_for(f"mplaunch: rank 1 stopped at a breakpoint at {run.script}:{stop} and "
-                 "waits for rank 0's debugger to continue ('c')", anywhere=True)
+    # Whichever rank reaches its breakpoint first holds the prompt (first come, first
+    # served: on a loaded machine rank 1 may); the other is named as waiting for it,
+    # and shows no prompt meanwhile.
+    text = run.wait_for(" stopped at a breakpoint at ", anywhere=True)
+    b = int(re.search(r"mplaunch: rank (\d) stopped at a breakpoint", text).group(1))
+    a = 1 - b
+    if late:   # rank 0 came second: rank 1 holds the prompt, rank 0 waits
+        assert a == 1, text
+    run.wait_for(f"mplaunch: rank {b} stopped at a breakpoint at {run.script}:{stop} and "
+                 f"waits for rank {a}'s debugger to continue ('c')", anywhere=True)
+    run.wait_for(f"[rank{a}]: (Pdb) ")
     run.send("p secret, rank")
-    run.wait_for("[rank0]: (700, 0)\r\n")      # rank 0's locals
-    run.wait_for("[rank0]: (Pdb) ")
+    run.wait_for(f"[rank{a}]: ({700 + a}, {a})\r\n")      # its locals
+    run.wait_for(f"[rank{a}]: (Pdb) ")
     run.send("p secret * 2")
-    run.wait_for("[rank0]: 1400\r\n")
-    run.wait_for("[rank0]: (Pdb) ")
-    time.sleep(0.3)   # what rank 1 would show, had it a prompt now
-    assert "[rank1]: (Pdb)" not in run.text
+    run.wait_for(f"[rank{a}]: {2 * (700 + a)}\r\n")
+    run.wait_for(f"[rank{a}]: (Pdb) ")
+    time.sleep(0.3)   # what the other would show, had it a prompt now
+    assert f"[rank{b}]: (Pdb)" not in run.text
     run.send("c")
-    run.wait_for("[rank1]: (Pdb) ")
+    run.wait_for(f"[rank{b}]: (Pdb) ")
     run.send("p secret, rank")
-    run.wait_for("[rank1]: (701, 1)\r\n")      # rank 1's own
-    run.wait_for("[rank1]: (Pdb) ")
+    run.wait_for(f"[rank{b}]: ({700 + b}, {b})\r\n")      # the other's own
+    run.wait_for(f"[rank{b}]: (Pdb) ")
     run.send("c")
     text = run.finish()
     assert run.status == 0, text
     assert result_of(text) == [701, 702]
     assert text.count("stopped at a breakpoint") == 1, text
-    assert "[rank0]: (Pdb)" not in text[text.index("[rank1]: (Pdb)"):]
+    assert f"[rank{a}]: (Pdb)" not in text[text.index(f"[rank{b}]: (Pdb)"):]
     assert "skipped" not in text
 
 
