@@ -181,6 +181,7 @@ class World:
         if self._runs == 0:
             raise RuntimeError("this World has not run anything yet: report() is about "
                                "its last run")
+        self._not_waiting("report()")
         if self._report_of != self._runs:
             self.run(last_call, timeout=float("inf"))   # its records come as a call's
             records, off = self._asked
@@ -189,6 +190,17 @@ class World:
             self._report = analyse(records)
             self._report_of = self._runs
         return self._report
+
+    def _not_waiting(self, what: str) -> None:
+        """`what` runs in the ranks: not while they wait for restart(nnodes=M) (a run
+        would end them)."""
+        if self._engine.waiting:
+            left = sum(lost is None for _, lost in self._engine.nodes_info)
+            raise RuntimeError(
+                f"{what} asks the ranks, and a node of this World was lost with no "
+                f"replacement: the ranks kept on the other nodes wait for "
+                f"world.restart(nnodes={left}), which goes on with them (then {what} "
+                f"works); a run or restart() ends them and starts fresh ranks")
 
     def stacks(self):
         """{rank: where it is now}, asked without stopping anything, from any thread
@@ -256,6 +268,7 @@ class World:
         first rank whose own error it was), with its locals, as IPython's ``%debug``:
         through the notebook's input box, or this process's terminal. The other ranks
         wait; the World is as it was afterwards. See :ref:`debugging`."""
+        self._not_waiting("debug()")
         rank = self._failed if rank is None else rank
         if rank is None:
             raise RuntimeError("no run of this World raised an error in a rank since "
@@ -287,8 +300,12 @@ class World:
                 cfg, plan = self._plan(nnodes if nnodes is not None else self.nnodes,
                                        nprocs)
                 if going_on.can(self._engine, cfg.nnodes, cfg.nprocs):
-                    log.warning("%s", going_on.go_on(self._engine, cfg, plan))
-                    self.cfg = cfg
+                    # The last run's error and report name the old numbers.
+                    self._failed, self._report_of = None, -1
+                    try:
+                        log.warning("%s", going_on.go_on(self._engine, cfg, plan))
+                    finally:
+                        self.cfg = self._engine.cfg   # the new one, once it began
                     return self
                 self._engine.stop()
                 self._engine.reform(cfg, plan)

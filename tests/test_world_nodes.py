@@ -446,10 +446,17 @@ def test_a_lost_node_without_a_replacement_keeps_the_others_until_the_next_run()
             healed and "ended (exit status 1)" in healed, healed
         assert "the ranks on the other 1 node(s) were kept" in healed and \
             "(ranks 0-1)" in healed and "world.restart(nnodes=1) goes on with them, " \
-            "renumbered 0..1" in healed and "a new step of 2 nodes" in healed, healed
+            "renumbered 0..1" in healed and "a run or restart() starts fresh ranks on a " \
+            "new step of 2 nodes" in healed, healed
         assert nodes_scenarios.alive(node1, timeout=20) == []
         assert set(nodes_scenarios.alive(survivors, timeout=0)) == survivors
         assert w.nodes[1]["lost"] and w.nodes[0]["lost"] is None
+        # mplaunch's own calls would end them: refused, saying what to do
+        for ask in (w.debug, w.report):
+            with pytest.raises(RuntimeError, match=r"world\.restart\(nnodes=1\), which "
+                                                   r"goes on with them"):
+                ask()
+        assert set(nodes_scenarios.alive(survivors, timeout=0)) == survivors
         assert w.run(count_calls) == [1] * 4      # a fresh step, fresh ranks
         assert nodes_scenarios.alive(node0, timeout=20) == []
 
@@ -513,6 +520,18 @@ class _FirstShort(local_step.Local):
             _FirstShort.shorts -= 1
             return local_step.NoSpare._replace(self, index, launch, nodes)
         return super()._replace(index, launch, nodes)
+
+
+def test_restart_with_fewer_nodes_while_a_replacement_comes_starts_fresh():
+    """Going on is for a node nothing replaces: with a replacement on its way (a spare),
+    restart(nnodes=1) waits for it and then does what it always did, a new step."""
+    with world(grace_period=2) as w:
+        assert w.run(count_calls) == [1] * 4
+        pids = set(w.pids.values())
+        lost_for_good(w, 1)
+        w.restart(nnodes=1)
+        assert w.nnodes == 1 and w.run(count_calls) == [1, 1]
+        assert not set(w.pids.values()) & pids
 
 
 def test_after_going_on_a_lost_node_is_replaced_in_the_schedulers_own_slot():

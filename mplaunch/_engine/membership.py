@@ -51,8 +51,7 @@ class Membership:
             if r.alive:
                 changes[r.spec.rank] = {k: new.env.get(k) for k in {*old.env, *new.env}
                                         if old.env.get(k) != new.env.get(k)}
-            self._specs[i] = dataclasses.replace(old, rank=new.rank,
-                                                 node_rank=new.node_rank, env=new.env)
+            self._specs[i] = new   # whole: a dead rank's node may be a replacement
             own = {k: v for k, v in r.spec.env.items() if k not in old.env}  # a terminal's
             r.spec = dataclasses.replace(r.spec, rank=new.rank, node_rank=new.node_rank,
                                          env={**new.env, **own})

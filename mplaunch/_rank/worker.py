@@ -250,7 +250,7 @@ def _call_and_report(sock, spec, payload_fd: int, changes=(), first: bool = Fals
     try:
         data, tensor_fds = wire_payload.dumps_result(value)
     except BaseException as exc:  # noqa: BLE001
-        err = TypeError(f"rank {spec.rank} returned a value that could not be pickled "
+        err = TypeError(f"rank {debugging.rank()} returned a value that could not be pickled "
                         f"({type(value).__name__}): {type(exc).__name__}: {exc}. Return "
                         "something picklable, or save it to a file and return the path.")
         err.__cause__ = exc

@@ -6,7 +6,7 @@ state, instead of tearing every node down; the failed call's error says so, and
 
 - the lost nodes' links leave the Hub, and the others are renumbered in their order
   (their ranks' NODE_RANK); each keeps its slot, the scheduler's number for it, which
-  its step and part-steps go on speaking of (Hub.drop_lost);
+  its step and part-steps go on speaking of (Hub.drop);
 - the ranks on the lost nodes leave the group, and the others are renumbered in their
   order: each is told what changes in its environment (RANK, WORLD_SIZE, NODE_RANK and
   the variables that follow them: _rank.heal.renumber), keeping its process and state;
@@ -53,49 +53,76 @@ def kept(engine, exc: BaseException) -> Optional[str]:
             f"were kept, with their processes and state (ranks {_runs(ranks)}): "
             f"world.restart(nnodes={m}) goes on with them, renumbered 0.."
             f"{m * engine.cfg.nprocs - 1} in their order (each one's RANK, WORLD_SIZE "
-            f"and NODE_RANK change); any other run or restart ends them and starts fresh "
-            f"ranks on a new step of {hub.nnodes} nodes")
+            f"and NODE_RANK change); anything else ends them: a run or restart() starts "
+            f"fresh ranks on a new step of {hub.nnodes} nodes")
+
+
+def lost_for_good(engine) -> Optional[list]:
+    """The lost links of a healing World across nodes that is up, once no replacement
+    is under way (waited for), where none of them is being replaced: what going on
+    would leave out (None: nothing, or a replacement is coming)."""
+    hub = engine.hub
+    if not engine.heal or engine.attempt is None or hub is None:
+        return None
+    hub.mends.settle()
+    with hub.mends.lock:
+        lost = [(i, link) for i, link in enumerate(hub.links) if link.lost is not None]
+    if not lost or any(hub.mends.mending(i) for i, _ in lost):
+        return None
+    return [link for _, link in lost]
 
 
 def can(engine, nnodes: int, nprocs: Optional[int]) -> bool:
     """restart(nnodes=`nnodes`, nprocs=`nprocs`) can go on with the ranks that are up:
-    a healing World across nodes, up, with a lost node, `nnodes` the nodes left."""
-    hub = engine.hub
-    if not engine.heal or engine.attempt is None or hub is None:
-        return False
-    live = [link for link in hub.links if link.lost is None]
-    return (len(live) < len(hub.links) and nnodes == len(live)
+    a healing World across nodes, up, with lost nodes that nothing replaces, `nnodes`
+    the nodes left."""
+    lost = lost_for_good(engine)
+    return (lost is not None and nnodes == len(engine.hub.links) - len(lost)
             and nprocs in (None, engine.cfg.nprocs))
 
 
 def go_on(engine, cfg, plan) -> str:
     """Go on with the nodes left (see the module's text); `cfg` and `plan`: the World's
-    on them. What was done, said plainly. Raises (the World torn down) if a kept rank
-    does not follow."""
+    on them. What was done, said plainly. Whatever fails from the moment the lost nodes
+    leave (another node lost meanwhile, a rank that does not follow, an interrupt)
+    tears the ranks down and raises: the next call starts fresh ones, on the nodes the
+    World has then."""
     attempt, hub = engine.attempt, engine.hub
     group = attempt.group
-    lost = {link.info.index: link.describe() for link in hub.links
-            if link.lost is not None}
+    lost = lost_for_good(engine) or []
+    gone = {link.info.index: link.describe() for link in lost}
     was = {i: r.spec.rank for i, r in enumerate(group.ranks)}
-    keep = [i for i, r in enumerate(group.ranks) if r.spec.node_rank not in lost]
-    hub.drop_lost()
+    keep = [i for i, r in enumerate(group.ranks) if r.spec.node_rank not in gone]
+    hub.drop(lost)
     engine.cfg, engine.nodes, engine.waiting = cfg, plan, False
-    specs = engine._node_specs(engine._session, attempt.number)
-    attempt.cfg = dataclasses.replace(attempt.cfg, nnodes=cfg.nnodes)
-    changes = group.renumber(keep, specs, attempt.cfg)
-    forget_failures(attempt)
-    live = [r for r in group.ranks if r.alive]
-    dead = [i for i, r in enumerate(group.ranks) if not r.alive]
-    engine._control(engine.calls.renumber, (changes,), live)
-    states = engine._control(engine.calls.group_state, (), live)
-    backends = {s["backend"] for s in states if s["initialized"]}
-    backend = backends.pop() if len(backends) == 1 else engine.backend
-    engine._rebuild(backend, max(s["incarnation"] for s in states), dead, live)
+    try:
+        if (len(hub.links) != cfg.nnodes or len(keep) != cfg.world_size
+                or any(lk.lost for lk in hub.links)):
+            raise NodesError(f"another node was lost while the World went on without "
+                             f"{', '.join(gone.values())}: its ranks were ended; the next "
+                             f"run starts fresh ones")
+        specs = engine._node_specs(engine._session, attempt.number)
+        attempt.cfg = dataclasses.replace(attempt.cfg, nnodes=cfg.nnodes)
+        changes = group.renumber(keep, specs, attempt.cfg)
+        forget_failures(attempt)
+        live = [r for r in group.ranks if r.alive]
+        dead = [i for i, r in enumerate(group.ranks) if not r.alive]
+        engine._control(engine.calls.renumber, (changes,), live)
+        states = engine._control(engine.calls.group_state, (), live)
+        backends = {s["backend"] for s in states if s["initialized"]}
+        backend = backends.pop() if len(backends) == 1 else engine.backend
+        engine._rebuild(backend, max(s["incarnation"] for s in states), dead, live)
+        if not group.running or group.stopping:
+            raise NodesError("a rank did not follow the World going on: its ranks were "
+                             "ended; the next run starts fresh ones")
+    except BaseException:
+        engine.stop()
+        raise
     engine.fresh = [group.ranks[i].spec.rank for i in dead]
     moved = ", ".join(f"{was[i]}->{group.ranks[j].spec.rank}"
                       for j, i in enumerate(keep) if was[i] != group.ranks[j].spec.rank)
     return (f"mplaunch.World: going on with {cfg.nnodes} node(s) of {cfg.nprocs} ranks "
-            f"({cfg.world_size} ranks) without {', '.join(lost.values())}: the ranks "
+            f"({cfg.world_size} ranks) without {', '.join(gone.values())}: the ranks "
             f"there are gone; the others kept their processes and state"
             + (f", renumbered ({moved})" if moved else ", and their numbers")
             + (f"; rank(s) {engine.fresh} were dead and started fresh" if engine.fresh

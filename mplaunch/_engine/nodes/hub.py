@@ -204,22 +204,19 @@ class Hub:
             link.send(OpenGroup())
         return link
 
-    def drop_lost(self) -> List[Link]:
-        """Go on without every lost node (World.restart(nnodes=M), where none can be
+    def drop(self, lost: Sequence[Link]) -> None:
+        """Go on without the nodes of `lost` (World.restart(nnodes=M), where none can be
         replaced): their links leave the World, closed with the Hub; the others are
         renumbered in their order (their ranks' NODE_RANK), keeping their slots (the
-        scheduler's numbers, which its step and part-steps speak of). The links
-        dropped."""
-        lost = [link for link in self.links if link.lost is not None]
+        scheduler's numbers, which its step and part-steps speak of)."""
         self.mends.drop(lost)
         with self.mends.lock:
-            self.links = [link for link in self.links if link.lost is None]
+            self.links = [link for link in self.links if link not in lost]
             for i, link in enumerate(self.links):
                 link.info.index = i
             self.nnodes = len(self.links)
         for link in lost:
             self._payloads.forget(link.info.slot)
-        return lost
 
     # -- what the group asks (in its thread; a call, in the pump's) ----------------------
     def open_group(self, spawner) -> None:

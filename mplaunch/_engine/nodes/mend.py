@@ -145,8 +145,8 @@ class Mends:
 
     def begin(self, link) -> None:
         """`link`'s node was lost: its replacement begins at once, where it can."""
-        index = link.info.index
-        with self.lock:
+        with self.lock:   # (its index may change meanwhile: Hub.drop)
+            index = link.info.index
             if (not self.can() or index >= len(self.hub.links)
                     or self.hub.links[index] is not link or index in self.running):
                 return
@@ -188,6 +188,12 @@ class Mends:
             self.replaced.add(old.info.slot)
             self.gone.append(old)
         return link, mend.step
+
+    def settle(self) -> None:
+        """Return once no mend is under way (each ends by its own bounds)."""
+        for mend in list(self.running.values()):
+            while not mend.done.wait(0.2) and not mend.cancelled:
+                pass
 
     def drop(self, links) -> None:
         """`links` leave the World (lost, not replaced: World.restart(nnodes=M)): a mend
