@@ -536,3 +536,44 @@ def test_a_lost_node_is_replaced_on_the_allocations_spare_node(three, monkeypatc
             assert [g["env"]["SLURM_NODEID"] for g in got] == ["0", "0", "1", "1"]
             held = world_processes(w)
         assert alive(held, timeout=20) == []
+
+
+# -- no spare: going on with the nodes left ---------------------------------------------
+
+def test_a_node_taken_down_in_a_no_kill_allocation_leaves_the_others_to_go_on(
+        cluster, monkeypatch):
+    """salloc --no-kill -N2, a World on both; n2 taken down as a failed host is
+    (scontrol State=DOWN): SLURM ends the job's processes there and keeps the job on
+    n1, which leaves no node to replace n2 with. The ranks on n1 are kept, and
+    restart(nnodes=1) goes on with them in the World's step, their SLURM task variables
+    renumbered with them."""
+    with cluster.allocation(2, args=["--no-kill"]) as alloc:
+        for name in [n for n in os.environ if n.startswith("SLURM_")]:
+            monkeypatch.delenv(name)
+        for name, value in alloc.slurm_env.items():
+            monkeypatch.setenv(name, value)
+        try:
+            with mplaunch.World(2, nnodes=2, backend="gloo", master_addr="127.0.0.1",
+                                grace_period=2) as w:
+                assert w.run(nodes_scenarios.count_calls) == [1] * 4
+                kept = {0: w.pids[0], 1: w.pids[1]}
+                down = cluster._quiet(["scontrol", "update", "NodeName=n2", "State=DOWN",
+                                       "Reason=mplaunch-test"])
+                assert down.returncode == 0, down.stderr
+                with pytest.raises(mplaunch.WorkerError, match=r"node 1 \(n2\)") as info:
+                    w.run(nodes_scenarios.count_calls, timeout=120)
+                healed = str(info.value.healed)
+                assert "world.restart(nnodes=1) goes on with them" in healed, healed
+                w.restart(nnodes=1)
+                assert w.pids == kept and w.size == 2
+                assert w.run(nodes_scenarios.count_calls) == [3, 3]
+                assert w.run(allreduce_sum) == [3.0, 3.0]
+                got = w.run(whoami)
+                assert [g["env"]["SLURMD_NODENAME"] for g in got] == ["n1", "n1"]
+                assert [(g["env"]["SLURM_PROCID"], g["env"]["SLURM_NTASKS"],
+                         g["env"]["WORLD_SIZE"]) for g in got] == [("0", "2", "2"),
+                                                                   ("1", "2", "2")]
+                held = world_processes(w)
+            assert alive(held, timeout=20) == []
+        finally:
+            cluster._quiet(["scontrol", "update", "NodeName=n2", "State=RESUME"])

@@ -464,6 +464,7 @@ def test_a_lost_node_without_a_replacement_keeps_the_others_until_the_next_run()
 def test_restart_with_the_nodes_left_goes_on_with_the_survivors_renumbered(caplog):
     with no_spare_world() as w:
         assert w.run(count_calls) == [1] * 4 and w.run(count_calls) == [2] * 4
+        w.run(keep_a_subgroup)
         pids = w.pids
         os.kill(w.nodes[0]["agent_pid"], signal.SIGKILL)     # node 0: the others move
         with pytest.raises(mplaunch.WorkerError) as info:
@@ -473,7 +474,8 @@ def test_restart_with_the_nodes_left_goes_on_with_the_survivors_renumbered(caplo
             assert w.restart(nnodes=1) is w
         said = caplog.text
         assert "going on with 1 node(s) of 2 ranks (2 ranks) without node 0" in said and \
-            "renumbered (2->0, 3->1)" in said, said
+            "renumbered (2->0, 3->1)" in said and "these hold the old group and must " \
+            "be made again: rank_state()['sub']" in said, said
         assert (w.nnodes, w.size, w.fresh_ranks) == (1, 2, [])
         assert w.pids == {0: pids[2], 1: pids[3]}                 # the same processes
         assert w.run(count_calls) == [4, 4]     # and their state (the failed call's 3rd)
@@ -489,6 +491,11 @@ def test_restart_with_the_nodes_left_goes_on_with_the_survivors_renumbered(caplo
             w.run(die_in_rank_one)
         assert w.fresh_ranks == [1] and w.run(count_calls) == [5, 1]
         assert w.run(allreduce_sum) == [3.0, 3.0]
+
+
+def keep_a_subgroup():
+    import torch.distributed as dist
+    mplaunch.rank_state()["sub"] = dist.new_group()
 
 
 def die_in_rank_one():

@@ -111,7 +111,8 @@ def go_on(engine, cfg, plan) -> str:
         states = engine._control(engine.calls.group_state, (), live)
         backends = {s["backend"] for s in states if s["initialized"]}
         backend = backends.pop() if len(backends) == 1 else engine.backend
-        engine._rebuild(backend, max(s["incarnation"] for s in states), dead, live)
+        stale = engine._rebuild(backend, max(s["incarnation"] for s in states), dead,
+                                live)
         if not group.running or group.stopping:
             raise NodesError("a rank did not follow the World going on: its ranks were "
                              "ended; the next run starts fresh ones")
@@ -121,12 +122,15 @@ def go_on(engine, cfg, plan) -> str:
     engine.fresh = [group.ranks[i].spec.rank for i in dead]
     moved = ", ".join(f"{was[i]}->{group.ranks[j].spec.rank}"
                       for j, i in enumerate(keep) if was[i] != group.ranks[j].spec.rank)
+    holders = sorted({name for names in stale if names for name in names})
     return (f"mplaunch.World: going on with {cfg.nnodes} node(s) of {cfg.nprocs} ranks "
             f"({cfg.world_size} ranks) without {', '.join(gone.values())}: the ranks "
             f"there are gone; the others kept their processes and state"
             + (f", renumbered ({moved})" if moved else ", and their numbers")
             + (f"; rank(s) {engine.fresh} were dead and started fresh" if engine.fresh
-               else "") + "; the process group was rebuilt among them")
+               else "") + "; the process group was rebuilt among them"
+            + (f"; these hold the old group and must be made again: {', '.join(holders)}"
+               if holders else ""))
 
 
 def _runs(ranks) -> str:
