@@ -560,6 +560,10 @@ def test_a_node_taken_down_in_a_no_kill_allocation_leaves_the_others_to_go_on(
                 down = cluster._quiet(["scontrol", "update", "NodeName=n2", "State=DOWN",
                                        "Reason=mplaunch-test"])
                 assert down.returncode == 0, down.stderr
+                end = time.monotonic() + 30     # SLURM ends the tasks there, then ...
+                while w.nodes[1]["lost"] is None:   # ... the World hears its agent go
+                    assert time.monotonic() < end, "n2's agent outlived State=DOWN"
+                    time.sleep(0.05)
                 with pytest.raises(mplaunch.WorkerError, match=r"node 1 \(n2\)") as info:
                     w.run(nodes_scenarios.count_calls, timeout=120)
                 healed = str(info.value.healed)

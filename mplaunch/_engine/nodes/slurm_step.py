@@ -54,9 +54,11 @@ def check_allocation(nnodes: int, environ=os.environ) -> None:
 def srun_argv(nnodes: int, agent_argv: Sequence[str], environ=os.environ) -> List[str]:
     """The World's one step: one agent per node, sharing the allocation with the steps
     already running (``--overlap``: the kernel's own step may hold every CPU), not
-    killed when one task fails (the launching process decides), unbuffered."""
+    killed when one task fails nor when one node does (``--no-kill``: in a job that
+    outlives a failed node, the other nodes' agents and ranks go on; the launching
+    process decides), unbuffered."""
     argv = ["srun", "--overlap", f"--nodes={nnodes}", f"--ntasks={nnodes}",
-            "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--wait=0", "-u",
+            "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--no-kill", "--wait=0", "-u",
             "--input=none", "--job-name=mplaunch-world"]
     cpus = job_cpus_per_node(environ)
     if cpus is not None:
