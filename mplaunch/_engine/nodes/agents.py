@@ -71,7 +71,8 @@ class ProcessStep:
     def end(self, grace: float, nodes: Sequence = ()) -> None:
         """The agents end when their connection does, and the step with them. A step
         still there after `grace` (an agent frozen, or cut off) is cancelled by its
-        scheduler (`cancel(nodes)`, if it can), then ended."""
+        scheduler (`cancel(nodes)`, if it can: what it cancelled, or False), then
+        ended; said, unless `grace` was 0 (ended on purpose: a replaced part-step)."""
         proc = self.proc
         try:
             proc.wait(grace)
@@ -80,7 +81,13 @@ class ProcessStep:
             pass
         if self.cancel is not None:
             try:
-                if self.cancel(nodes):
+                cancelled = self.cancel(nodes)
+                if cancelled:
+                    if grace > 0:
+                        log.warning("mplaunch: the World's step %s did not end with its "
+                                    "connections within %g s; cancelled it",
+                                    cancelled if isinstance(cancelled, str)
+                                    else self.command, grace)
                     proc.wait(grace)
                     return
             except (subprocess.TimeoutExpired, OSError):

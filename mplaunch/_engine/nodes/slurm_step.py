@@ -90,18 +90,16 @@ def slurm_step_id(environs) -> Optional[str]:
     return None
 
 
-def cancel_step(nodes: Sequence) -> bool:
+def cancel_step(nodes: Sequence):
     """End a step still there after its connections ended (an agent frozen, or cut
     off): ``scancel JOB.STEP`` (slurmstepd kills every process of the step, on every
-    node, stopped ones included). False where it cannot."""
+    node, stopped ones included). Its JOB.STEP; False where it cannot."""
     step_id = slurm_step_id(node.environ for node in nodes)
     if step_id is None or shutil.which("scancel") is None:
         return False
-    log.warning("mplaunch: the World's step %s did not end with its connections; "
-                "cancelling it", step_id)
     for argv in (["scancel", "--signal=KILL", step_id], ["scancel", step_id]):
         subprocess.run(argv, timeout=10, stdin=subprocess.DEVNULL, capture_output=True)
-    return True
+    return step_id
 
 
 class Slurm:
