@@ -40,7 +40,8 @@ class Membership:
         layout (`specs`, `cfg`); the others, dead with their node, are let go of. What
         changes in each live one's environment ({old rank: {name: value, or None where
         it goes}}), for it to follow."""
-        gone = [r for i, r in enumerate(self.ranks) if i not in set(keep)]
+        kept = set(keep)
+        gone = [r for i, r in enumerate(self.ranks) if i not in kept]
         for r in gone:
             self._let_go(r)
             self._tokens.pop(r.token, None)

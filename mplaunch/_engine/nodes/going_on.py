@@ -26,13 +26,11 @@ ranks are 0, 1, 4, 5): torch.distributed, DDP and every framework expect ranks
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Optional
 
 from .agents import NodesError
 from ..heal import forget_failures
 
-log = logging.getLogger("mplaunch")
 __mplaunch_plumbing__ = True
 
 
