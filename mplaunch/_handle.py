@@ -67,9 +67,11 @@ class Handle(Generic[T]):
                                "ends (handle.wait())")
         if self._run.flight_off:
             raise RuntimeError(off_line(self._run.flight_off))
-        if not self._run.collectives:
-            raise RuntimeError("the launch recorded no collectives (its ranks started "
-                               "none, or it lasted less than a second)")
+        if not any(self._run.collectives.values()):
+            raise RuntimeError("the launch recorded no collectives of every rank (its "
+                               "ranks started none, or a rank's call lasted less than "
+                               "a second, too short to be read; a World's report() "
+                               "reads a short run too)")
         report = analyse(self._run.collectives)
         report.late_stacks = dict(self._run.late)
         return report

@@ -189,7 +189,12 @@ def take_records(group) -> Tuple[Dict[int, List[Record]], Optional[str]]:
     """The records `group`'s ranks (_engine.group.RankGroup) sent ahead of their answers
     since the last look, by rank, their times moved onto this process's clock (each
     node's offset: its spawner's clock_offset_ns), and why the ranks could not read
-    their recorder, if one could not (_rank.flight)."""
+    their recorder, if one could not (_rank.flight). Nothing where some ranks read
+    their records and others did not: a rank reads them only where its own call
+    lasted MIN_CALL_S, so a call of about that long is read in some ranks only (found
+    by CI: a 1 s call read in rank 1 alone, whose report then held no collective),
+    and the others' records alone would blame the wrong rank. A World's report()
+    then reads them all again (_rank.flight.last_call)."""
     records: Dict[int, List[Record]] = {}
     off = None
     for r in group.ranks:
@@ -199,6 +204,8 @@ def take_records(group) -> Tuple[Dict[int, List[Record]], Optional[str]]:
             records.setdefault(r.spec.rank, []).extend(
                 (g, seq, op, ns - shift) for g, seq, op, ns in sent.records)
         r.collectives = []
+    if len(records) < len(group.ranks):
+        records = {}
     return records, off
 
 

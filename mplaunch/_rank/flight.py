@@ -75,7 +75,10 @@ def take(own: bool) -> Optional[Collectives]:
     if time.monotonic() - _began < MIN_CALL_S:
         return None
     records, why = _read()
-    return Collectives(tuple(records), why) if records or why else None
+    # Sent even where empty: the launching process tells a rank that read nothing new
+    # from one whose call was too short to read (its records would be missing from
+    # the report, which would then blame the wrong rank: _engine.stragglers.unread)
+    return Collectives(tuple(records), why)
 
 
 @uninterrupted
