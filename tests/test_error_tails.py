@@ -65,6 +65,10 @@ def draw_then_die_in_rank_one():
 def raise_while_peers_wait_in_allreduce():
     import torch
     import torch.distributed as dist
+    # Every rank is here before rank 1 fails: the others are in the collective when
+    # mplaunch interrupts them (SETTLE, 0.1 s, after the failure), not still on
+    # their way (a rank slowed that long by a loaded machine is interrupted there)
+    dist.barrier()
     if dist.get_rank() == 1:
         raise ValueError("rank one fails before the collective")
     dist.all_reduce(torch.ones(1))   # the line the others are released from
@@ -74,6 +78,10 @@ def raise_while_peers_wait_in_allreduce():
 def die_while_peers_wait_in_allreduce():
     import torch
     import torch.distributed as dist
+    # Every rank is here before rank 1 fails: the others are in the collective when
+    # mplaunch interrupts them (SETTLE, 0.1 s, after the failure), not still on
+    # their way (a rank slowed that long by a loaded machine is interrupted there)
+    dist.barrier()
     if dist.get_rank() == 1:
         os._exit(3)
     dist.all_reduce(torch.ones(1))   # the line the others are released from

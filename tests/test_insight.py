@@ -123,11 +123,21 @@ def test_handle_stacks_while_running_from_another_thread(tmp_path):
     with mplaunch.start(one_rank_lags, (str(tmp_path),), nprocs=4) as handle:
         for rank in range(4):
             _wait_for(tmp_path / f"ready{rank}")
-        got = {}
-        asker = threading.Thread(target=lambda: got.update(stacks=handle.stacks()))
-        asker.start()
-        asker.join()
-        stacks = got["stacks"]
+        # A rank's flag comes just before its next line: asked again until ranks 0, 2
+        # and 3 are in the fourth collective and rank 1 in its sleep (a loaded machine
+        # may hold a rank between the two)
+        deadline = time.monotonic() + 30
+        while True:
+            got = {}
+            asker = threading.Thread(target=lambda: got.update(stacks=handle.stacks()))
+            asker.start()
+            asker.join()
+            stacks = got["stacks"]
+            if (all("collective 4 of its default group" in stacks.get(r, "")
+                    for r in (0, 2, 3)) and "time.sleep(0.02)" in stacks.get(1, "")) \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert not handle.done()
         open(tmp_path / "go", "w").close()
         assert handle.result() == [0, 1, 2, 3]  # nothing was stopped

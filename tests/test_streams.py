@@ -212,16 +212,20 @@ def test_rank_0_reads_the_terminal_and_its_prompt_shows_at_once(pty_run, method)
 
 def test_breakpoint_in_every_rank_is_a_working_pdb_one_rank_at_a_time(pty_run):
     run = pty_run("stop_at_breakpoint")
-    run.read_until(b"[rank0]: (Pdb) ")
-    # The other rank stopped too: it waits, named, and its pdb shows nothing meanwhile.
-    run.read_until(b"rank 1 stopped at a breakpoint")
+    # Whichever rank reaches its breakpoint first holds the prompt (first come, first
+    # served: on a loaded machine rank 1 may; test_debugging makes each come first);
+    # the other stopped too: it waits, named, and its pdb shows nothing meanwhile.
+    data = run.read_until(b" stopped at a breakpoint")
+    b = int(re.search(rb"rank (\d) stopped at a breakpoint", data).group(1))
+    a = 1 - b
+    run.read_until(f"[rank{a}]: (Pdb) ".encode())
     run.send("p x * 2\n")
-    run.read_until(b"82")
-    assert b"[rank1]: (Pdb)" not in run.data
+    run.read_until(f"[rank{a}]: {2 * (41 + a)}".encode())
+    assert f"[rank{b}]: (Pdb)".encode() not in run.data
     run.send("c\n")
-    run.read_until(b"[rank1]: (Pdb) ")
+    run.read_until(f"[rank{b}]: (Pdb) ".encode())
     run.send("p x * 2\n")
-    run.read_until(b"84")
+    run.read_until(f"[rank{b}]: {2 * (41 + b)}".encode())
     run.send("c\n")
     text = run.finish()
     assert result_of(text) == [41, 42]

@@ -66,21 +66,31 @@ def _sleep_then(seconds):
     return "slept"
 
 
-def test_world_close_from_another_thread_ends_a_running_call():
+def _touch_then_sleep(path, seconds):
+    open(path, "w").close()
+    time.sleep(seconds)
+    return "slept"
+
+
+def test_world_close_from_another_thread_ends_a_running_call(tmp_path):
     world = mplaunch.World(1, preload=(), grace_period=1)
     world.start()
     pid = world.pids[0]
     outcome = []
+    began = tmp_path / "began"
 
     def call():
         try:
-            outcome.append(world.run(_sleep_then, (60,)))
+            outcome.append(world.run(_touch_then_sleep, (str(began), 60)))
         except BaseException as exc:  # noqa: BLE001
             outcome.append(exc)
 
     t = threading.Thread(target=call)
     t.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while not began.exists():   # the call runs in the rank (not a sleep's guess)
+        assert time.monotonic() < deadline and t.is_alive(), outcome
+        time.sleep(0.01)
     world.close()          # must not wait the 60 s out, nor break the call's loop
     t.join(30)
     assert not t.is_alive()
