@@ -177,10 +177,17 @@ def dataloader_workers(data):
             return 2
 
         def __getitem__(self, i):
-            before = rollup()
-            total = _touch(data)
-            (mapping,) = payload_mappings()
-            return total, rollup()["USS"] - before["USS"], mapping["Anonymous"]
+            import gc
+            # no collection in between: a full one walks the heap the worker shares
+            # with its rank and copies its pages (test_every_start_method_maps_one_copy)
+            gc.disable()
+            try:
+                before = rollup()
+                total = _touch(data)
+                (mapping,) = payload_mappings()
+                return total, rollup()["USS"] - before["USS"], mapping["Anonymous"]
+            finally:
+                gc.enable()
     _touch(data)     # mapped by the rank too: pages it shares are no worker's own
     loader = torch.utils.data.DataLoader(Whole(), batch_size=None, num_workers=2,
                                          multiprocessing_context="fork")
