@@ -204,14 +204,19 @@ def what_was_kept(replaced: Dict[int, int], backend: Optional[str], released: bo
     if backend is not None:
         why = ("a rank died" if replaced else "a collective was left half-done" if released
                else "the ranks left it in different states")
-        holders = sorted({name for names in stale for name in names})
-        remake = (f"; these hold the old group and must be made again: "
-                  f"{', '.join(holders)}" if holders else "")
-        said.append(f"the process group was rebuilt ({why}){remake}. Objects made with "
-                    "the old group (a DistributedDataParallel module, groups from "
-                    "new_group) must be made again: ddp = "
+        said.append(f"the process group was rebuilt ({why}){remake(stale)}. Objects "
+                    "made with the old group (a DistributedDataParallel module, groups "
+                    "from new_group) must be made again: ddp = "
                     "DistributedDataParallel(module) broadcasts rank 0's parameters")
     return "the world was kept: its ranks and their state; " + "; ".join(said)
+
+
+def remake(stale: list) -> str:
+    """What a rebuilt group's error or log line adds for `stale` (per rank, the names of
+    the objects that still hold the old group: _rank.heal.rebuild), or ""."""
+    holders = sorted({name for names in stale for name in names})
+    return (f"; these hold the old group and must be made again: {', '.join(holders)}"
+            if holders else "")
 
 
 def disagree(states: list) -> bool:

@@ -77,7 +77,7 @@ def take(own: bool) -> Optional[Collectives]:
     records, why = _read()
     # Sent even where empty: the launching process tells a rank that read nothing new
     # from one whose call was too short to read (its records would be missing from
-    # the report, which would then blame the wrong rank: _engine.stragglers.unread)
+    # the report, which would then blame the wrong rank: _engine.stragglers.take_records)
     return Collectives(tuple(records), why)
 
 

@@ -29,7 +29,7 @@ import dataclasses
 from typing import Optional
 
 from .agents import NodesError
-from ..heal import forget_failures
+from ..heal import forget_failures, remake
 
 __mplaunch_plumbing__ = True
 
@@ -120,15 +120,12 @@ def go_on(engine, cfg, plan) -> str:
     engine.fresh = [group.ranks[i].spec.rank for i in dead]
     moved = ", ".join(f"{was[i]}->{group.ranks[j].spec.rank}"
                       for j, i in enumerate(keep) if was[i] != group.ranks[j].spec.rank)
-    holders = sorted({name for names in stale if names for name in names})
     return (f"mplaunch.World: going on with {cfg.nnodes} node(s) of {cfg.nprocs} ranks "
             f"({cfg.world_size} ranks) without {', '.join(gone.values())}: the ranks "
             f"there are gone; the others kept their processes and state"
             + (f", renumbered ({moved})" if moved else ", and their numbers")
             + (f"; rank(s) {engine.fresh} were dead and started fresh" if engine.fresh
-               else "") + "; the process group was rebuilt among them"
-            + (f"; these hold the old group and must be made again: {', '.join(holders)}"
-               if holders else ""))
+               else "") + "; the process group was rebuilt among them" + remake(stale))
 
 
 def _runs(ranks) -> str:
