@@ -3,6 +3,7 @@ made by hand, then real ranks running DDP over gloo with one rank slowed down.""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import time
 import warnings
@@ -228,33 +229,44 @@ def test_a_ranks_torch_profiler_trace_merges_under_its_rank_on_the_same_clock(tm
     assert names == {"rank 0", "rank 1"}, names
 
 
-def late_and_short(short_rank):
-    """`short_rank` starts each of three all_reduces 60 ms late and returns at once;
-    the others wait for it, then stay in the call past MIN_CALL_S (1 s)."""
+def late_and_short(short_rank, meet):
+    """`short_rank` starts each of three all_reduces 100 ms late and returns at once;
+    the others wait for it, then stay in the call past MIN_CALL_S (1 s). The ranks
+    first meet at a file barrier in `meet`, which the recorder does not see: the call
+    reaches each rank at its own time (CI: ranks 0 and 1 began 60 ms after rank 2, so
+    the first all_reduce found rank 2 on time and the report named nobody)."""
     import torch
     import torch.distributed as dist
+    rank, size = dist.get_rank(), dist.get_world_size()
+    open(os.path.join(meet, str(rank)), "w").close()
+    while len(os.listdir(meet)) < size:
+        time.sleep(0.001)
     t = torch.ones(10)
     for _ in range(3):
-        if dist.get_rank() == short_rank:
-            time.sleep(0.06)
+        if rank == short_rank:
+            time.sleep(0.1)
         dist.all_reduce(t)
-    if dist.get_rank() != short_rank:
+    if rank != short_rank:
         time.sleep(1.2)
 
 
 @recorded
-def test_a_call_read_in_some_ranks_only_is_read_again_not_reported_without_them():
+def test_a_call_read_in_some_ranks_only_is_read_again_not_reported_without_them(
+        tmp_path):
     # Each rank reads its records only where its own call lasted a second: here the
     # late rank's call was short (found by CI, by chance: a profiled run of about a
     # second read in rank 1 alone gave a report with no collective). The others'
     # records alone named nobody, without a word of the rank they waited for
+    (tmp_path / "world").mkdir()
+    (tmp_path / "launch").mkdir()
     with mplaunch.World(3, backend="gloo") as w:
-        w.run(late_and_short, (2,))
+        w.run(late_and_short, (2, str(tmp_path / "world")))
         report = w.report()
     assert sorted(r.rank for r in report.ranks) == [0, 1, 2], str(report)
     assert report.collectives == 3 and report.named == 2, str(report)
     # A launch cannot ask again: its handle says why there is no report
-    handle = mplaunch.start(late_and_short, (1,), nprocs=2, backend="gloo")
+    handle = mplaunch.start(late_and_short, (1, str(tmp_path / "launch")), nprocs=2,
+                            backend="gloo")
     assert handle.result() == [None, None]
     with pytest.raises(RuntimeError, match="too short to be read"):
         handle.report()
