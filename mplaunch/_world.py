@@ -299,11 +299,12 @@ class World:
             if nnodes is not None or nprocs is not None:
                 cfg, plan = self._plan(nnodes if nnodes is not None else self.nnodes,
                                        nprocs)
-                if going_on.can(self._engine, cfg.nnodes, cfg.nprocs):
+                lost = going_on.leaving(self._engine, cfg.nnodes, cfg.nprocs)
+                if lost is not None:
                     # The last run's error and report name the old numbers.
                     self._failed, self._report_of = None, -1
                     try:
-                        log.warning("%s", going_on.go_on(self._engine, cfg, plan))
+                        log.warning("%s", going_on.go_on(self._engine, cfg, plan, lost))
                     finally:
                         self.cfg = self._engine.cfg   # the new one, once it began
                     return self

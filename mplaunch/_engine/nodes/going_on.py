@@ -70,24 +70,27 @@ def lost_for_good(engine) -> Optional[list]:
     return [link for _, link in lost]
 
 
-def can(engine, nnodes: int, nprocs: Optional[int]) -> bool:
-    """restart(nnodes=`nnodes`, nprocs=`nprocs`) can go on with the ranks that are up:
-    a healing World across nodes, up, with lost nodes that nothing replaces, `nnodes`
-    the nodes left."""
+def leaving(engine, nnodes: int, nprocs: Optional[int]) -> Optional[list]:
+    """The lost links that restart(nnodes=`nnodes`, nprocs=`nprocs`) goes on without,
+    keeping the ranks that are up; None where it cannot: it needs a healing World
+    across nodes, up, with lost nodes that nothing replaces, `nnodes` the nodes left.
+    Read once, and handed to go_on: a replacement that came between two reads would
+    have left go_on nothing to leave out."""
     lost = lost_for_good(engine)
-    return (lost is not None and nnodes == len(engine.hub.links) - len(lost)
-            and nprocs in (None, engine.cfg.nprocs))
+    if (lost is None or nnodes != len(engine.hub.links) - len(lost)
+            or nprocs not in (None, engine.cfg.nprocs)):
+        return None
+    return lost
 
 
-def go_on(engine, cfg, plan) -> str:
-    """Go on with the nodes left (see the module's text); `cfg` and `plan`: the World's
-    on them. What was done, said plainly. Whatever fails from the moment the lost nodes
-    leave (another node lost meanwhile, a rank that does not follow, an interrupt)
-    tears the ranks down and raises: the next call starts fresh ones, on the nodes the
-    World has then."""
+def go_on(engine, cfg, plan, lost: list) -> str:
+    """Go on with the nodes left, without `lost` (leaving's; see the module's text);
+    `cfg` and `plan`: the World's on them. What was done, said plainly. Whatever fails
+    from the moment the lost nodes leave (another node lost meanwhile, a rank that does
+    not follow, an interrupt) tears the ranks down and raises: the next call starts
+    fresh ones, on the nodes the World has then."""
     attempt, hub = engine.attempt, engine.hub
     group = attempt.group
-    lost = lost_for_good(engine) or []
     gone = {link.info.index: link.describe() for link in lost}
     was = {i: r.spec.rank for i, r in enumerate(group.ranks)}
     keep = [i for i, r in enumerate(group.ranks) if r.spec.node_rank not in gone]
