@@ -68,10 +68,10 @@ class Handle(Generic[T]):
         if self._run.flight_off:
             raise RuntimeError(off_line(self._run.flight_off))
         if not any(self._run.collectives.values()):
-            raise RuntimeError("the launch recorded no collectives of every rank (its "
-                               "ranks started none, or a rank's call lasted less than "
-                               "a second, too short to be read; a World's report() "
-                               "reads a short run too)")
+            raise RuntimeError("no straggler report: the launch's collectives were "
+                               "not read in every rank (its ranks started none, or a "
+                               "rank's call lasted less than a second, too short to be "
+                               "read; a World's report() reads a short call too)")
         report = analyse(self._run.collectives)
         report.late_stacks = dict(self._run.late)
         return report
