@@ -149,7 +149,8 @@ import mplaunch
 def f(base):
     rank = int(os.environ["RANK"])
     secret = base * 100 + rank
-    time.sleep(LATE.get(rank, 0))
+    while rank == 0 and GO and not os.path.exists(GO):
+        time.sleep(0.02)   # rank 0 late: until rank 1 holds the prompt
     breakpoint()  # STOP
     return secret + 1
 
@@ -158,13 +159,17 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("late", [{}, {0: 1.0}], ids=["as-they-come", "rank-0-late"])
-def test_breakpoint_in_every_rank_one_rank_at_a_time(term, late):
-    run = term(BREAK_IN_EVERY_RANK.replace("LATE", repr(late)))
+@pytest.mark.parametrize("late", [False, True], ids=["as-they-come", "rank-0-late"])
+def test_breakpoint_in_every_rank_one_rank_at_a_time(term, tmp_path, late):
+    go = str(tmp_path / "go") if late else None
+    run = term(BREAK_IN_EVERY_RANK.replace("GO", repr(go)))
     stop = line_of(run.script, "# STOP")
     # Whichever rank reaches its breakpoint first holds the prompt (first come, first
     # served: on a loaded machine rank 1 may); the other is named as waiting for it,
-    # and shows no prompt meanwhile.
+    # and shows no prompt meanwhile. Rank 0 late: it goes on once rank 1 has the prompt
+    if late:
+        run.wait_for("[rank1]: (Pdb) ", anywhere=True)
+        open(go, "w").close()
     text = run.wait_for(" stopped at a breakpoint at ", anywhere=True)
     b = int(re.search(r"mplaunch: rank (\d) stopped at a breakpoint", text).group(1))
     a = 1 - b

@@ -23,6 +23,8 @@ import pytest
 
 import mplaunch
 from mplaunch import RankFailure
+from timeout_ranks import (barrier_but_rank_1_sleeps, file_rendezvous_barrier,
+                           subgroup_rank_missing)
 
 try:
     from test_notebook import kernel_config  # noqa: F401 - a fixture
@@ -42,6 +44,19 @@ def _wait_for(path, timeout=120.0):
         if time.monotonic() > deadline:
             raise AssertionError(f"{path} never appeared")
         time.sleep(0.02)
+
+
+def _stacks_in_the_loop(ask, nranks, timeout=30.0):
+    """`ask()`'s stacks once every rank is in waits_for_go's loop: its flag comes a
+    line before the loop, and a loaded machine may hold a rank between the two (asked
+    again, as a user would; the last answer at `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stacks = ask()
+        if all("os.access(go, os.F_OK)" in stacks.get(r, "") for r in range(nranks)) \
+                or time.monotonic() > deadline:
+            return stacks
+        time.sleep(0.05)
 
 
 # -- ranks --------------------------------------------------------------------------------
@@ -73,24 +88,6 @@ def waits_for_go(flagdir):
     # every rank is at the same line with the same frames.
     while not os.access(go, os.F_OK): time.sleep(0.02)  # noqa: E701
     return rank
-
-
-def barrier_but_rank_1_sleeps():
-    import torch.distributed as dist
-    dist.init_process_group("gloo")
-    if dist.get_rank() == 1:
-        time.sleep(600)
-    dist.barrier()
-
-
-def file_rendezvous_barrier(path):
-    """A group set up without mplaunch's env:// hook: no reporter runs in the ranks."""
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"file://{path}",
-                            rank=int(os.environ["RANK"]), world_size=2)
-    if dist.get_rank() == 1:
-        time.sleep(600)
-    dist.barrier()
 
 
 def big_then_sigkill(nbytes):
@@ -161,7 +158,7 @@ def test_stacks_for_8_ranks_without_stopping_them(tmp_path):
     with mplaunch.start(waits_for_go, (str(tmp_path),), nprocs=8, preload=()) as handle:
         for rank in range(8):
             _wait_for(tmp_path / f"ready{rank}")
-        stacks = handle.stacks()
+        stacks = _stacks_in_the_loop(handle.stacks, 8)
         assert sorted(stacks) == list(range(8))
         text = str(stacks)
         assert text.startswith("ranks 0-7:\n"), text
@@ -177,7 +174,7 @@ def test_stacks_in_every_start_method(tmp_path, start_method):
                         start_method=start_method) as handle:
         for rank in range(2):
             _wait_for(tmp_path / f"ready{rank}")
-        stacks = handle.stacks()
+        stacks = _stacks_in_the_loop(handle.stacks, 2)
         open(tmp_path / "go", "w").close()
         assert handle.result() == [0, 1]
     assert str(stacks).startswith("ranks 0, 1:\n"), str(stacks)
@@ -195,7 +192,7 @@ def test_world_stacks_while_another_thread_runs(tmp_path):
         try:
             for rank in range(2):
                 _wait_for(tmp_path / f"ready{rank}")
-            stacks = world.stacks()
+            stacks = _stacks_in_the_loop(world.stacks, 2)
         finally:
             open(tmp_path / "go", "w").close()
             runner.join()
@@ -416,8 +413,8 @@ rank = os.environ["RANK"]
 flagdir = sys.argv[1]
 def wait_here():
     open(os.path.join(flagdir, "ready" + rank), "w").close()
-    while not os.path.exists(os.path.join(flagdir, "go")):
-        time.sleep(0.02)
+    go = os.path.join(flagdir, "go")
+    while not os.access(go, os.F_OK): time.sleep(0.02)  # one line: both ranks on it
 wait_here()
 """
 
@@ -432,18 +429,24 @@ def test_the_command_prints_stacks_on_sigusr1_and_goes_on(tmp_path):
         for rank in range(2):
             _wait_for(tmp_path / f"ready{rank}")
         proc.send_signal(signal.SIGUSR1)
-        # the stacks are printed; the flag then lets the ranks finish
+        # the stacks are read before their heading is printed (one write): the flag
+        # then lets the ranks finish (waiting for a line of the stack itself would
+        # hang where a rank was in os.access, not in the sleep)
         lines = []
         for line in proc.stderr:
             lines.append(line)
-            if "time.sleep(0.02)" in line:
+            if "SIGUSR1: where each rank is now" in line:
                 break
         open(tmp_path / "go", "w").close()
-        out, err = proc.communicate(timeout=120)
+        err = proc.stderr.read()   # the rest, with what the line reader holds already
+        proc.wait(timeout=120)
     finally:
+        open(tmp_path / "go", "w").close()
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+        proc.stdout.close()
+        proc.stderr.close()
     err = "".join(lines) + err
     assert proc.returncode == 0, err
     assert "mplaunch: SIGUSR1: where each rank is now (the launch goes on)" in err, err
@@ -479,30 +482,12 @@ def test_ranks_stacks_magic_in_a_kernel(kernel_config, tmp_path):
     assert "between calls" in out, out  # the main thread waits for the next cell
 
 
-def subgroup_rank_missing():
-    import time
-    import torch
-    import torch.distributed as dist
-    dist.init_process_group("gloo")
-    pair = dist.new_group([0, 1])
-    t = torch.ones(1)
-    for _ in range(16):
-        if dist.get_rank() in (0, 1):
-            dist.all_reduce(t, group=pair)
-        dist.all_reduce(t)
-    if dist.get_rank() == 0:
-        dist.all_reduce(t, group=pair)   # PAIR-17: rank 1 never comes
-    elif dist.get_rank() == 1:
-        time.sleep(120)                  # RANK-1-ELSEWHERE
-    dist.barrier()
-
-
 def test_a_rank_missing_from_a_subgroups_collective_is_named_in_that_group():
     # The timeout's report covers every group: rank 0 waits in collective 17 of the
     # pair's group (not of the default one, where it is at 16 like rank 1), and the
     # rank missing there is named with its stack.
     with pytest.raises(mplaunch.LaunchTimeout) as info:
-        mplaunch.launch(subgroup_rank_missing, (), nprocs=4, timeout=6)
+        mplaunch.launch(subgroup_rank_missing, (), nprocs=4, timeout=8)
     text = str(info.value)
     assert "collectives: ranks 0, 1 are at collective 16; ranks 2, 3 wait in 17\n" in text
     assert ("collectives of group 1 (ranks 0, 1): rank 1 is at collective 16; rank 0 "

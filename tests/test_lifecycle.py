@@ -153,18 +153,31 @@ def _state():
     }
 
 
-def _settled_state(timeout=5.0):
-    """The state once it stops changing: a server closes a finished launch's channel,
-    and reaps its ranks, a moment after launch has returned."""
+def _settled_state(timeout=10.0, still=5):
+    """The state once it stops changing (the same `still` looks in a row, 0.1 s apart):
+    a server closes a finished launch's channel, and reaps its ranks, a moment after
+    launch has returned."""
     deadline = time.monotonic() + timeout
-    last = _state()
-    while time.monotonic() < deadline:
+    last, same = _state(), 1
+    while time.monotonic() < deadline and same < still:
         time.sleep(0.1)
         now = _state()
-        if now == last:
-            return now
+        same = same + 1 if now == last else 1
         last = now
     return last
+
+
+def _back_to(before, timeout=10.0):
+    """The state, once it is `before` again (or the last one seen, at `timeout`): two
+    equal looks 0.1 s apart are no proof of a settled state on a loaded machine (a
+    server held off the CPU longer reaps its finished ranks later), and a leak never
+    goes back."""
+    deadline = time.monotonic() + timeout
+    now = _state()
+    while now != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = _state()
+    return now
 
 
 @pytest.mark.parametrize("method,count", [
@@ -179,7 +192,7 @@ def test_many_launches_in_a_row_leak_nothing(method, count):
     before = _settled_state()
     for i in range(count):
         assert mplaunch.launch(rank_plus, (i,), 2, start_method=method) == [i, i + 1]
-    assert _settled_state() == before
+    assert _back_to(before) == before
 
 
 def allreduce_scaled(scale):

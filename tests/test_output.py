@@ -302,9 +302,11 @@ def test_sink_that_cannot_encode_gets_escapes_not_silence():
 def tqdm_bar(n):
     from tqdm import tqdm
     print("before the bar", file=sys.stderr)
-    for _ in tqdm(range(n), file=sys.stderr, mininterval=0, miniters=1, ascii=True,
+    for i in tqdm(range(n), file=sys.stderr, mininterval=0, miniters=1, ascii=True,
                   ncols=70, desc="work"):
-        time.sleep(0.002)
+        # halfway, long enough that a relay held off the CPU for the first half still
+        # reads it apart from the second: one read keeps its last redraw only
+        time.sleep(0.3 if i == n // 2 else 0.002)
     print("after the bar", file=sys.stderr)
     return 0
 

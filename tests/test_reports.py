@@ -17,6 +17,7 @@ import pytest
 
 import mplaunch
 from mplaunch._wire import exceptions as _exceptions
+from timeout_ranks import sleep_forever
 
 no_torch = pytest.mark.no_torch
 
@@ -318,14 +319,9 @@ def test_a_type_error_inside_the_function_gets_no_hint():
     assert not getattr(err.__cause__, "__notes__", None)
 
 
-def waits_forever():
-    import time
-    time.sleep(600)
-
-
 def test_real_launch_timeout_stacks_match_the_message():
     with pytest.raises(mplaunch.LaunchTimeout) as info:
-        mplaunch.launch(waits_forever, nprocs=2, timeout=3, grace_period=1)
+        mplaunch.launch(sleep_forever, nprocs=2, timeout=3, grace_period=1)
     err = info.value
     assert sorted(err.stacks) == sorted(err.raw_stacks) == [0, 1]
     text = str(err)

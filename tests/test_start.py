@@ -19,6 +19,7 @@ for _d in (os.path.join(HERE, "scripts"), os.path.join(HERE, "scripts_world")):
 from proctree import describe, wait_gone  # noqa: E402
 from worldproc import (EXIT_MAIN_PROCESS_ERROR, GONE_DEADLINE_S, KILL_BOUND_S,  # noqa: E402
                        assert_closed_at_exit, gone, world_parent)
+from timeout_ranks import sleep_forever  # noqa: E402
 
 
 def whoami(x=None):
@@ -39,10 +40,6 @@ def fail_in_rank_one():
     if os.environ["RANK"] == "1":
         raise ValueError("rank one fails")
     time.sleep(60)
-
-
-def sleep_forever():
-    time.sleep(600)
 
 
 def exit_three_in_rank_one():
@@ -176,7 +173,7 @@ def test_every_start_method(method, tmp_path):
 
 
 def test_many_handles_in_a_row_leak_nothing():
-    from test_lifecycle import _settled_state
+    from test_lifecycle import _back_to, _settled_state
     assert mplaunch.start(whoami, nprocs=2).result(60)  # warm
     before = _settled_state()
     for i in range(20):
@@ -188,7 +185,7 @@ def test_many_handles_in_a_row_leak_nothing():
     for i in range(5):
         h = mplaunch.start(sleep_forever, nprocs=2, grace_period=1)
         h.stop()
-    assert _settled_state() == before
+    assert _back_to(before) == before
 
 
 # -- signals, parent death and interpreter exit ---------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 
 import mplaunch
 from mplaunch._engine.stragglers import analyse
+from stragglers_ranks import all_reduces_for, late_and_short
 
 try:
     from test_notebook import kernel_config  # noqa: F401 - a fixture
@@ -229,27 +230,6 @@ def test_a_ranks_torch_profiler_trace_merges_under_its_rank_on_the_same_clock(tm
     assert names == {"rank 0", "rank 1"}, names
 
 
-def late_and_short(short_rank, meet):
-    """`short_rank` starts each of three all_reduces 100 ms late and returns at once;
-    the others wait for it, then stay in the call past MIN_CALL_S (1 s). The ranks
-    first meet at a file barrier in `meet`, which the recorder does not see: the call
-    reaches each rank at its own time (CI: ranks 0 and 1 began 60 ms after rank 2, so
-    the first all_reduce found rank 2 on time and the report named nobody)."""
-    import torch
-    import torch.distributed as dist
-    rank, size = dist.get_rank(), dist.get_world_size()
-    open(os.path.join(meet, str(rank)), "w").close()
-    while len(os.listdir(meet)) < size:
-        time.sleep(0.001)
-    t = torch.ones(10)
-    for _ in range(3):
-        if rank == short_rank:
-            time.sleep(0.1)
-        dist.all_reduce(t)
-    if rank != short_rank:
-        time.sleep(1.2)
-
-
 @recorded
 def test_a_call_read_in_some_ranks_only_is_read_again_not_reported_without_them(
         tmp_path):
@@ -289,14 +269,6 @@ def test_where_the_ranks_cannot_read_the_recorder_one_line_says_so_and_report_wh
         assert w.run(fr_setting) == [("0", None)] * 2
 
 
-def all_reduces_for(seconds):
-    import torch
-    import torch.distributed as dist
-    for _ in range(int(seconds / 0.05) + 1):   # as many in every rank
-        dist.all_reduce(torch.ones(4))
-        time.sleep(0.05)
-
-
 def fr_setting():
     import os
     return (os.environ.get("TORCH_FR_BUFFER_SIZE"),
@@ -319,6 +291,7 @@ def test_torch_without_a_recorder_says_the_report_is_off(caplog):
     # World says once that the report is off, and why; a torch with one reports
     readable = _torch_records()
     with mplaunch.World(2, backend="gloo") as w:
+        w.run(os.getpid)   # each rank's start-up, not in the timed call
         with warnings.catch_warnings():
             warnings.simplefilter("error")   # the off line is no warning
             w.run(all_reduces_for, (1.1,))
@@ -353,6 +326,7 @@ def test_each_nodes_times_are_moved_onto_the_launching_clock_by_its_agents(tmp_p
     with mplaunch.World(1, nnodes=2, scheduler="local", master_addr="127.0.0.1",
                         backend="gloo",
                         local_wrap=lambda i: [sys.executable, str(shim)] if i else []) as w:
+        w.run(os.getpid)   # each rank's start-up, not in the timed call
         before = time.time_ns()
         w.run(all_reduces_for, (0.3,))
         after = time.time_ns()

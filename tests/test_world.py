@@ -350,7 +350,7 @@ def test_every_start_method(method):
 
 
 def test_many_worlds_in_a_row_leak_nothing():
-    from test_lifecycle import _settled_state
+    from test_lifecycle import _back_to, _settled_state
     with mplaunch.World(2) as world:  # warm
         world.run(count_calls)
     before = _settled_state()
@@ -358,17 +358,17 @@ def test_many_worlds_in_a_row_leak_nothing():
         with mplaunch.World(2, backend="gloo" if i % 5 == 0 else None) as world:
             assert world.run(whoami, (i,))[1][2] == i
             assert world.run(count_calls) == [1, 1]
-    assert _settled_state() == before
+    assert _back_to(before) == before
 
 
 def test_many_runs_in_one_world_leak_nothing():
-    from test_lifecycle import _settled_state
+    from test_lifecycle import _back_to, _settled_state
     with mplaunch.World(2) as world:
         world.run(count_calls)
         before = _settled_state()
         for i in range(200):
             world.run(whoami, (i,))
-        assert _settled_state() == before
+        assert _back_to(before) == before
         assert world.run(count_calls) == [2, 2]
 
 

@@ -15,7 +15,9 @@ ranks the next run got) and exit with 3. Light ranks: no torch, no DataLoader, u
 the mode ends with "+dl"."""
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -74,7 +76,10 @@ def main():
         return
     handle = mplaunch.start(tree_rank.hold, (outdir, dataloader), 2, **opts)
     _wait_for_records(outdir)
-    print("READY", flush=True)
+    if mode in ("wait", "result"):
+        _ready_once_forwarding()
+    else:
+        print("READY", flush=True)
     if mode == "exit-handle":
         _exit_when_told(outdir)
         return  # the handle is left running: interpreter exit must stop it
@@ -89,6 +94,16 @@ def main():
     except mplaunch.MainProcessError as exc:
         _report(exc, outdir, done=handle.done())
     sys.exit("the handle's ranks never return")
+
+
+def _ready_once_forwarding():
+    """READY once handle.wait() forwards SIGINT: printed before it, a SIGINT sent at
+    once could reach Python's own handler first, in the moment before wait() runs."""
+    def watch():
+        while signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            time.sleep(0.01)
+        print("READY", flush=True)
+    threading.Thread(target=watch, daemon=True).start()
 
 
 if __name__ == "__main__":
