@@ -142,3 +142,37 @@ def test_a_lost_node_is_replaced_on_a_live_node_the_world_does_not_use(cluster, 
         cluster.remove_node(spare if spare in cluster.worker_nodes else
                             list(cluster.worker_nodes)[-1], allow_graceful=False)
     cluster.wait_for_nodes()
+
+
+def test_a_lost_node_nothing_replaces_leaves_the_other_to_go_on(cluster):
+    """Two raylets, a World on both: the worker's node removed, and no live node left
+    for a replacement. The head's ranks are kept, with their processes and state, and
+    restart(nnodes=1) goes on with them (issue 42, on Ray's own nodes)."""
+    head = ray_cluster.node_id(cluster.head_node)
+    by_id = {ray_cluster.node_id(n): n for n in cluster.worker_nodes}
+    with mplaunch.World(2, nnodes=2, scheduler="ray", backend="gloo",
+                        grace_period=2) as w:
+        assert w.run(count_calls) == [1] * 4
+        names = [n["name"] for n in w.nodes]
+        index = next(i for i, n in enumerate(names) if n != head)
+        kept = [w.pids[r] for r in range(4) if r // 2 != index]
+        agent = psutil.Process(w.nodes[index]["agent_pid"])
+        cluster.remove_node(by_id[names[index]], allow_graceful=False)
+        assert not psutil.wait_procs([agent], timeout=60)[1], "the node's agent lives"
+        with pytest.raises(mplaunch.WorkerError) as info:
+            w.run(count_calls, timeout=90)
+        healed = str(info.value.healed)
+        assert "could not be healed" in healed and "the ranks on the other 1 node(s) " \
+            "were kept" in healed and "world.restart(nnodes=1) goes on with them" in \
+            healed, healed
+        assert set(p for p in kept if psutil.pid_exists(p)) == set(kept)
+        assert w.restart(nnodes=1) is w
+        assert (w.nnodes, w.size) == (1, 2)
+        assert w.pids == {0: kept[0], 1: kept[1]}        # the same processes
+        counts = w.run(count_calls)
+        assert counts[0] == counts[1] >= 2, counts       # and their state
+        assert [n["name"] for n in w.nodes] == [head]
+        assert w.run(allreduce_sum) == [3.0, 3.0]
+    # the cluster back to two live nodes for the next test
+    cluster.add_node(num_cpus=ray_cluster.NODE_CPUS)
+    cluster.wait_for_nodes()
