@@ -197,6 +197,9 @@ def test_a_cancelled_step_is_lost_on_both_nodes_and_the_next_run_starts_a_new_st
         cancel = subprocess.run(["scancel", step], capture_output=True, text=True,
                                 timeout=30)
         assert cancel.returncode == 0, cancel.stderr
+        # scancel only asks: the step's tasks end a moment later (CI, by chance: the
+        # next run, a few ms, returned from the ranks before SLURM ended them)
+        assert alive(set(agents(w)), timeout=20) == [], "scancel left the agents"
         with pytest.raises(mplaunch.WorkerError) as info:
             w.run(allreduce_sum, timeout=60)
         assert "was lost" in str(info.value), str(info.value)
