@@ -30,6 +30,12 @@ def _signal_from_a_thread(flag_dir, nprocs, signo=signal.SIGINT):
             if time.monotonic() > end:
                 return
             time.sleep(0.02)
+        # and once the main thread forwards it: start() returns before handle.wait()
+        # installs the forwarding, and a SIGINT meanwhile is Python's KeyboardInterrupt
+        while signal.getsignal(signo) in (signal.default_int_handler, signal.SIG_DFL):
+            if time.monotonic() > end:
+                return
+            time.sleep(0.01)
         signal.pthread_kill(threading.get_ident(), signo)
     t = threading.Thread(target=go)
     t.start()

@@ -95,8 +95,12 @@ class SlurmNodes(nodes_scenarios.Nodes):
         return [list(s) for s in self.cluster.steps(self.job)]
 
     def step(self, w):
-        """The World's one step of the job (JOB.STEP), named mplaunch-world."""
-        steps = self.steps()
+        """The World's one step of the job (JOB.STEP), named mplaunch-world: a step that
+        ended a moment ago (cancelled, restarted, a replacement's) may still be listed,
+        as squeue hears of a step's end late."""
+        deadline = time.monotonic() + 20
+        while len(steps := self.steps()) != 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert len(steps) == 1 and steps[0][1] == "mplaunch-world", steps
         assert steps[0][0].startswith(f"{self.job}."), steps
         return steps[0][0]
@@ -171,7 +175,12 @@ def test_two_worlds_at_once_each_have_a_step_of_their_own(sched):
             both = sched.steps()
             results = (w.run(allreduce_sum), w2.run(allreduce_sum))
             seen = world_processes(w) | world_processes(w2)
-        after = sched.steps()
+        # the second World's srun is gone when close() returns; squeue hears of its
+        # step's end late (as check_closed knows)
+        deadline = time.monotonic() + 20
+        while (after := sched.steps()) != [[step, "mplaunch-world"]] and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
     job = sched.job
     assert {g["env"]["SLURM_STEP_ID"] for g in first} == {step.split(".")[1]}
     second_step = [s for s, _ in both if s != step]

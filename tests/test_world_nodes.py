@@ -594,8 +594,7 @@ def test_restart_after_a_node_was_lost_between_calls_starts_on_its_replacement()
     with world(grace_period=2) as w:
         assert w.run(count_calls) == [1] * 4
         lost = w.nodes[1]["agent_pid"]
-        os.kill(lost, signal.SIGKILL)
-        nodes_scenarios.alive({lost}, timeout=10)
+        lost_for_good(w, 1)               # between calls: the World knows of it
         w.restart()                        # fresh ranks on purpose: every node's
         assert w.run(count_calls) == [1] * 4
         assert w.nodes[1]["agent_pid"] != lost and w.run(allreduce_sum) == [10.0] * 4

@@ -20,7 +20,7 @@ from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_notebook
 from traitlets.config import Config
 
-from allocation import say, steps
+from allocation import say, steps, wait_for
 
 
 CELLS = {
@@ -150,6 +150,8 @@ def main():
                     say("cell", id=cell.id, stdout=stream(cell, "stdout"),
                         stderr=stream(cell, "stderr"), errors=errors)
                     if cell.id in STEPS_AFTER:
+                        if cell.id == "stop":   # squeue hears of a step's end late
+                            wait_for(lambda: not steps())
                         say("steps", after=cell.id, steps=steps())
 
         asyncio.run(scenario())
