@@ -19,6 +19,7 @@ import pytest
 import mplaunch
 from mplaunch._wire import exceptions as _exceptions
 from mplaunch.errors import signal_name
+from timeout_ranks import sleep_forever
 
 # Nothing here needs torch but the launches, which skip without it: these run under
 # every Python that setup.cfg claims (.ci/other-pythons.sh).
@@ -245,10 +246,6 @@ def fail_in_rank_one():
         print("about to fail", file=sys.stderr, flush=True)
         raise ValueError("real failure")
     time.sleep(60)
-
-
-def sleep_forever():
-    time.sleep(600)
 
 
 def _assert_same(err, again):
